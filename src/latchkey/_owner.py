@@ -1,0 +1,108 @@
+"""Who holds a lease: host, pid, process start time, thread, and the caller's metadata.
+
+The owner *identity* is informative only (shown by ``inspect``/``ls``). What guards release
+and extend is a random owner *token* that never leaves the process except to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from latchkey.errors import ConfigError
+
+
+def new_owner_token() -> str:
+    """128 random bits, hex: the secret that proves an acquisition is ours."""
+    return secrets.token_hex(16)
+
+
+def _process_start_time() -> float:
+    """Unix time this process started (Linux: from /proc; elsewhere: first import)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORT_TIME
+
+
+_IMPORT_TIME = time.time()
+_started: dict[int, float] = {}
+
+
+def process_started() -> float:
+    pid = os.getpid()
+    if pid not in _started:  # recomputed after fork
+        _started[pid] = round(_process_start_time(), 2)
+    return _started[pid]
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who acquired a lease. ``metadata`` is the caller's own ``metadata=`` dict."""
+
+    host: str = ""
+    pid: int = 0
+    started: float = 0.0
+    thread: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def current(cls, metadata: Mapping[str, Any] | None = None) -> Owner:
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started=process_started(),
+            thread=threading.current_thread().name,
+            metadata=dict(metadata or {}),
+        )
+
+    def to_json(self) -> str:
+        data = {"host": self.host, "pid": self.pid, "started": self.started, "thread": self.thread}
+        if self.metadata:
+            data["metadata"] = dict(self.metadata)
+        return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None) -> Owner:
+        """Parse what :meth:`to_json` wrote; anything unreadable becomes an empty Owner."""
+        if not text:
+            return cls()
+        try:
+            data = json.loads(text)
+            return cls(
+                host=str(data.get("host", "")),
+                pid=int(data.get("pid", 0)),
+                started=float(data.get("started", 0.0)),
+                thread=str(data.get("thread", "")),
+                metadata=dict(data.get("metadata") or {}),
+            )
+        except (ValueError, TypeError, AttributeError):
+            return cls()
+
+    def __str__(self) -> str:
+        return f"{self.pid}@{self.host}" if self.host or self.pid else "unknown"
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``metadata=`` dict must be JSON-serialisable; say so clearly when it is not."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise ConfigError(f"metadata: expected a dict, got {type(metadata).__name__}")
+    try:
+        json.dumps(dict(metadata))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"metadata: not JSON-serialisable ({exc})") from None
+    return dict(metadata)

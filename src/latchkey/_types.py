@@ -1,0 +1,72 @@
+"""Plain values passed between the core and the stores, and shown to users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from latchkey._owner import Owner
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One live lease on a name (a lock has one; a semaphore up to its limit)."""
+
+    token: int | None
+    """Fencing token; ``None`` on stores without fencing (see ``Capabilities.fencing``)."""
+    owner: Owner
+    acquired_at: datetime | None
+    """When the lease was taken, by the store's clock (UTC)."""
+    expires_at: datetime | None
+    """When the lease ends unless extended, by the store's clock (UTC); ``None``: no TTL."""
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """What a store knows about a name: its live holders, oldest first."""
+
+    name: str
+    holders: tuple[Holder, ...]
+
+    @property
+    def holder(self) -> Holder:
+        return self.holders[0]
+
+    @property
+    def token(self) -> int | None:
+        return self.holder.token
+
+    @property
+    def owner(self) -> Owner:
+        return self.holder.owner
+
+    @property
+    def acquired_at(self) -> datetime | None:
+        return self.holder.acquired_at
+
+    @property
+    def expires_at(self) -> datetime | None:
+        return self.holder.expires_at
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A store's answer to a successful acquire or extend."""
+
+    token: int | None
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A store's answer to an acquire that found no free slot.
+
+    ``holders`` is how many live leases the store counted; a value below the requested limit
+    means the attempt lost a race for a slot that was free, and the core retries at once.
+    ``holder`` is one of them (the soonest to expire) for messages. ``retry_after`` is how many
+    seconds until that lease ends by the store's clock, when known: waiters sleep no longer.
+    """
+
+    holders: int
+    holder: Holder | None = None
+    retry_after: float | None = None

@@ -1,0 +1,222 @@
+"""The store protocol: the few atomic operations the core needs from every store.
+
+A store module subclasses :class:`Backend`, implements each primitive as one atomic operation
+in its own idiom (one SQL statement or short transaction, one Lua script, one ``add``/``cas``,
+one ``find_one_and_update``), and registers its URL scheme in ``latchkey/stores/__init__.py``.
+
+A backend never loops, sleeps, retries or invents tokens: waiting, backoff, renewal, local
+deadlines, owner tokens and error messages live in the core. It does map every driver error to
+:class:`~latchkey.errors.StoreUnavailable` (see :meth:`Backend.unavailable`).
+
+Conventions shared by every primitive:
+
+- ``name`` is already validated (non-empty UTF-8, ≤ 255 bytes) and may contain any character,
+  NUL included: escaping or hashing is the backend's job. Names are always passed as
+  parameters, never spliced into statements.
+- ``owner`` is the acquisition's secret owner token (32 hex chars). ``owner_info`` is a JSON
+  text describing the holder (see :class:`latchkey._owner.Owner`), stored as given.
+- ``ttl`` is the lease length in seconds (float, > 0). Expiry is computed by the store's clock.
+- A lease with ``expires_at <= now`` (store clock) is free, whether or not its row still exists.
+- Fencing tokens are positive ints, strictly increasing per name across release, expiry, purge
+  and (on durable stores) restart. Semaphore slots of one name share the name's sequence.
+- Times returned are timezone-aware UTC datetimes from the store's clock.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar, NoReturn
+
+from latchkey._types import Busy, Grant, LockInfo
+from latchkey._url import Option, StoreURL, read_options
+from latchkey.errors import StoreUnavailable, Unsupported
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store guarantees. The conformance suite reads this; docs print it."""
+
+    ttl: bool = True
+    """Leases expire by the store's clock. False for session-tied locks (released on disconnect)."""
+    fencing: bool = True
+    """Acquisitions carry strictly increasing fencing tokens."""
+    durable: bool = True
+    """Leases and fencing counters survive a store restart."""
+    listing: bool = True
+    """``list()`` and ``purge_expired()`` see every lease."""
+    push: bool = False
+    """Blocked waiters are woken by the store on release (otherwise they poll with backoff)."""
+    multiprocess: bool = True
+    """Processes (not just threads) can contend through this store."""
+    semaphores: bool = True
+    claims: bool = True
+    records: bool = True
+    session_tied: bool = False
+    """Locks live as long as one connection (PostgreSQL advisory locks, MySQL GET_LOCK)."""
+    survives_eviction: bool = True
+    """False where the store may drop live leases to free memory (memcached, Redis LRU)."""
+
+
+class Waiter:
+    """Waits for a hint that a name may have been released.
+
+    The core creates it (``backend.subscribe(name)``) *before* its second acquire attempt, so
+    a release that happens between a failed attempt and :meth:`wait` is never missed. This
+    default one just sleeps: polling. Push stores return one that wakes early.
+    """
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds; True if woken by a release notice."""
+        time.sleep(max(0.0, timeout))
+        return False
+
+    def close(self) -> None:
+        """Stop listening; called once, also when the wait ends by an exception."""
+
+    def __enter__(self) -> Waiter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Backend(abc.ABC):
+    """One store. Subclasses set ``scheme``, ``capabilities``, ``options`` and the primitives."""
+
+    scheme: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    options: ClassVar[Mapping[str, Option]] = {}
+
+    def __init__(self, url: StoreURL) -> None:
+        self.url = url
+        self.config: dict[str, Any] = read_options(url, self.options)
+        self.timeout: float = self.config["timeout"]
+
+    # -- leases ------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        """Take a free slot of ``name`` (at most ``limit`` live leases) or report it busy.
+
+        One round trip where the store allows it. Expired leases of ``name`` count as free.
+        """
+
+    @abc.abstractmethod
+    def release(self, name: str, owner: str) -> bool:
+        """End ``owner``'s lease on ``name``. True if it was live; False if it had expired or
+        was never ours. Never touches another owner's lease."""
+
+    @abc.abstractmethod
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        """Set ``owner``'s live lease to end ``ttl`` from now (store clock); None if it is not
+        live (expired, released, taken over). The token is unchanged."""
+
+    @abc.abstractmethod
+    def inspect(self, name: str) -> LockInfo | None:
+        """The live holders of ``name`` (oldest first), or None if it is free."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        """Every name starting with ``prefix`` that has live holders, in name order."""
+
+    @abc.abstractmethod
+    def force_release(self, name: str) -> bool:
+        """Drop every lease on ``name`` whoever holds it; True if a live one was dropped."""
+
+    @abc.abstractmethod
+    def purge_expired(self) -> int:
+        """Delete expired lease rows (fencing counters stay); return how many."""
+
+    # -- batch claims ------------------------------------------------------------------------
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        """Take every free name of ``names`` (distinct) for ``owner``, skip the busy ones.
+
+        A constant number of round trips, whatever ``len(names)``. Returns the names taken.
+        """
+        raise Unsupported(f"the {self.scheme} store does not support batch claims")
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        """Release ``owner``'s live leases on ``names`` in a constant number of round trips;
+        return how many were live."""
+        return sum(self.release(name, owner) for name in names)
+
+    # -- versioned records -------------------------------------------------------------------
+
+    def record_get(self, name: str) -> tuple[str | None, int]:
+        """The record's JSON text and version; ``(None, 0)`` when absent."""
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    def record_set(self, name: str, value: str, version: int) -> int | None:
+        """Write ``value`` if the record's version is still ``version`` (0: absent); return the
+        new version (``version + 1``), or None if the version moved."""
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    def record_delete(self, name: str, version: int) -> bool:
+        """Delete the record if its version is still ``version``; False if it moved."""
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    # -- waiting, health, lifecycle ----------------------------------------------------------
+
+    def subscribe(self, name: str) -> Waiter:
+        """A :class:`Waiter` for releases of ``name``; the default polls."""
+        return Waiter()
+
+    @abc.abstractmethod
+    def now(self) -> datetime:
+        """The store's clock (UTC), read with one round trip."""
+
+    def init(self) -> None:
+        """Create tables, indexes or scripts now (they are also created on first use)."""
+
+    def close(self) -> None:
+        """Release connections. Leases held through this backend may end (session stores)."""
+
+    # -- helpers for subclasses --------------------------------------------------------------
+
+    def unavailable(self, exc: BaseException, action: str) -> NoReturn:
+        """Raise StoreUnavailable for a driver error, naming the store without its password."""
+        detail = self.url.scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        kind = type(exc).__name__
+        message = f"{self.scheme} store at {self.url.redacted()}: {action} failed: {kind}"
+        raise StoreUnavailable(f"{message}: {detail}" if detail else message) from exc
+
+    @contextlib.contextmanager
+    def translate(
+        self, action: str, errors: tuple[type[BaseException], ...]
+    ) -> Iterator[None]:
+        """Map ``errors`` raised inside the block to StoreUnavailable."""
+        try:
+            yield
+        except errors as exc:
+            self.unavailable(exc, action)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url.redacted()}>"
+
+
+class EventWaiter(Waiter):
+    """A waiter woken by a :class:`threading.Event` (for in-process notification)."""
+
+    def __init__(self, event: threading.Event, on_close: Any = None) -> None:
+        self.event = event
+        self._on_close = on_close
+
+    def wait(self, timeout: float) -> bool:
+        woke = self.event.wait(max(0.0, timeout))
+        self.event.clear()
+        return woke
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()

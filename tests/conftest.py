@@ -1,0 +1,134 @@
+"""Shared fixtures: the table of stores, disposable servers, one namespace per test.
+
+Environment:
+- ``LATCHKEY_TEST_STORES=sqlite,redis`` runs the store-parametrized tests on those rows only.
+- ``LATCHKEY_TEST_<SERVER>_URL`` uses an existing server instead of starting one.
+- ``CI=true``: a server that cannot be started fails the run instead of skipping, except for
+  rows marked ``required_in_ci=False`` (MongoDB: no server can be installed here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import latchkey
+from tests import servers
+
+servers.load_all()
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s.strip()}
+_unknown = _selected - {row.id for row in servers.ROWS}
+if _unknown:
+    raise pytest.UsageError(f"LATCHKEY_TEST_STORES names unknown stores: {sorted(_unknown)}")
+ROWS = [row for row in servers.ROWS if not _selected or row.id in _selected]
+
+
+class ServerPool:
+    """Starts each server kind once, on first use; stops what it started at the end."""
+
+    def __init__(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="latchkey-test-"))
+        self.running: dict[str, servers.RunningServer] = {}
+        self.external: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
+
+    def base_url(self, name: str) -> str:
+        kind = servers.SERVERS[name]
+        if url := os.environ.get(kind.env_var):
+            self.external[name] = url
+            return url
+        if name in self.failed:
+            raise servers.ServerUnavailable(self.failed[name])
+        if name not in self.running:
+            try:
+                workdir = self.workdir / name
+                workdir.mkdir(parents=True, exist_ok=True)
+                self.running[name] = kind.start(workdir)
+            except servers.ServerUnavailable as exc:
+                self.failed[name] = str(exc)
+                raise
+        return self.running[name].url
+
+    def stop_all(self) -> None:
+        for server in self.running.values():
+            server.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server_pool() -> Iterator[ServerPool]:
+    pool = ServerPool()
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "store_row" in metafunc.fixturenames:
+        metafunc.parametrize("store_row", ROWS, ids=[row.id for row in ROWS])
+
+
+def _unavailable(row: servers.StoreRow, reason: str) -> None:
+    if os.environ.get("CI") and row.required_in_ci:
+        pytest.fail(f"{row.id}: server required in CI but unavailable: {reason}")
+    pytest.skip(f"{row.id}: not run: {reason}")
+
+
+@pytest.fixture
+def base_url(store_row: servers.StoreRow, server_pool: ServerPool) -> str:
+    """The row's store URL without per-test isolation (embedded stores: '')."""
+    if store_row.server is None:
+        return ""
+    try:
+        return store_row.base_url(server_pool.base_url(store_row.server))
+    except servers.ServerUnavailable as exc:
+        _unavailable(store_row, str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+@pytest.fixture
+def store_url(store_row: servers.StoreRow, base_url: str, tmp_path: Path) -> str:
+    """A URL for this test alone: a fresh table, prefix, collection or file."""
+    return store_row.isolate(base_url, uuid.uuid4().hex[:12], tmp_path)
+
+
+@pytest.fixture
+def store(store_url: str, request: pytest.FixtureRequest) -> Iterator[latchkey.Store]:
+    s = latchkey.connect(store_url)
+    marker = request.node.get_closest_marker("requires")
+    if marker is not None:
+        caps = s.capabilities
+        missing = [c for c in marker.args if not getattr(caps, c)]
+        if missing:
+            s.close()
+            pytest.skip(f"{s.scheme} store declares no {', '.join(missing)} (capabilities)")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def running_server(
+    store_row: servers.StoreRow, server_pool: ServerPool, base_url: str
+) -> servers.RunningServer:
+    """The server behind this row, for fault tests that stop and restart it."""
+    if store_row.server is None:
+        pytest.skip(f"{store_row.id}: embedded store, no server to stop")
+    if store_row.server in server_pool.external:
+        pytest.skip(f"{store_row.id}: uses an existing server (env var); will not stop it")
+    return server_pool.running[store_row.server]
+
+
+@pytest.fixture
+def name() -> str:
+    """A lock name no other test uses."""
+    return f"test:{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,172 @@
+"""Disposable real servers for the tests, and the table of stores the conformance suite runs on.
+
+Each module in this package (``postgresql.py``, ``redis.py`` …) adds its own rows, so that a
+new store touches no shared file:
+
+- ``SERVERS[name] = ServerKind(...)``: how to start a disposable server on a free loopback port
+  in a temporary directory, and which ``LATCHKEY_TEST_<NAME>_URL`` points at an existing one;
+- ``ROWS.append(StoreRow(...))``: a store URL scheme the suite runs on, the server it needs, and
+  how to give each test its own namespace (a fresh table, key prefix or collection).
+
+Servers start lazily (only when a test needs them), once per test session, and are stopped by
+pid at the end. Nothing here touches services already running on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pkgutil
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlencode
+
+
+class ServerUnavailable(Exception):
+    """The server cannot be had here (binary missing and not root, say). Carries the reason."""
+
+
+@dataclass
+class RunningServer:
+    """A server we started. ``url`` is its base store URL (no isolation options)."""
+
+    url: str
+    pid: int
+    port: int
+    workdir: Path
+    restart_cmd: Callable[[], int] | None = None
+    stop_signal: int = signal.SIGTERM
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        """Stop the server by pid and wait until its port is closed."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, self.stop_signal)
+        wait_port_closed(self.port)
+
+    def start(self) -> None:
+        """Start it again on the same port and data (for fault tests)."""
+        if self.restart_cmd is None:
+            raise RuntimeError("this server cannot be restarted")
+        self.pid = self.restart_cmd()
+        wait_port_open(self.port)
+
+
+@dataclass(frozen=True)
+class ServerKind:
+    name: str  # e.g. "postgresql"; env var LATCHKEY_TEST_POSTGRESQL_URL
+    start: Callable[[Path], RunningServer]
+
+    @property
+    def env_var(self) -> str:
+        return f"LATCHKEY_TEST_{self.name.upper()}_URL"
+
+
+@dataclass(frozen=True)
+class StoreRow:
+    """One store the conformance suite runs on."""
+
+    id: str  # the pytest id, e.g. "postgresql" or "postgresql+advisory"
+    server: str | None  # a SERVERS key, or None for embedded stores
+    isolate: Callable[[str, str, Path], str]  # (base_url, tag, tmp_path) -> URL for one test
+    base_url: Callable[[str], str] = lambda url: url  # server URL -> this row's base URL
+    required_in_ci: bool = True  # False only where no server can be had (MongoDB)
+
+
+SERVERS: dict[str, ServerKind] = {}
+ROWS: list[StoreRow] = []
+
+
+def with_query(url: str, **options: str) -> str:
+    """``url`` with ``options`` added to its query string."""
+    sep = "&" if "?" in url else "?"
+    return url + sep + urlencode(options)
+
+
+def replace_scheme(url: str, scheme: str) -> str:
+    return scheme + url[url.index("://") :]
+
+
+# -- helpers for server modules ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_port_open(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not port_open(port):
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"nothing answered on 127.0.0.1:{port} within {timeout}s")
+        time.sleep(0.02)
+
+
+def wait_port_closed(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while port_open(port):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"127.0.0.1:{port} still open {timeout}s after stop")
+        time.sleep(0.02)
+
+
+_apt_updated = False
+
+
+def ensure_binary(binary: str, package: str, search: tuple[str, ...] = ()) -> str:
+    """The path of ``binary``; installs Debian ``package`` when missing and we are root."""
+    global _apt_updated
+    for path in (*search, shutil.which(binary)):
+        if path and os.access(path, os.X_OK):
+            return path
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise ServerUnavailable(f"{binary} not found and cannot install {package} (not root/apt)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if not _apt_updated:
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True)
+        _apt_updated = True
+    proc = subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    for path in (*search, shutil.which(binary)):
+        if path and os.access(path, os.X_OK):
+            return path
+    raise ServerUnavailable(f"installing {package} did not provide {binary}: {proc.stderr[-500:]}")
+
+
+def read_pidfile(path: Path, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
+            return int(path.read_text().split()[0])
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"no pid in {path} after {timeout}s")
+        time.sleep(0.02)
+
+
+def load_all() -> None:
+    """Import every server module so that it registers its SERVERS and ROWS."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+# -- the embedded stores ------------------------------------------------------------------------
+
+ROWS.append(StoreRow("memory", None, lambda base, tag, tmp: f"memory://{tag}"))
+ROWS.append(StoreRow("sqlite", None, lambda base, tag, tmp: f"sqlite:///{tmp}/locks-{tag}.db"))
