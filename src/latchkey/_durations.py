@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Union
 
 from latchkey.errors import ConfigError
 
-Duration = Union[int, float, str, timedelta]
+Duration = int | float | str | timedelta
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?|\.\d+)(ms|s|m|h|d)")

@@ -89,7 +89,9 @@ def _parse_host(text: str, url: str) -> tuple[str, int | None]:
     if not port_text:
         return unquote(host), None
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ConfigError(f"store URL {_mask_text(url)!r}: port {port_text!r} is not a number 1-65535")
+        raise ConfigError(
+            f"store URL {_mask_text(url)!r}: port {port_text!r} is not a number 1-65535"
+        )
     return unquote(host), int(port_text)
 
 

@@ -142,7 +142,10 @@ def ensure_binary(binary: str, package: str, search: tuple[str, ...] = ()) -> st
         _apt_updated = True
     proc = subprocess.run(
         ["apt-get", "install", "-y", "-qq", "--no-install-recommends", package],
-        env=env, capture_output=True, text=True, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     for path in (*search, shutil.which(binary)):
         if path and os.access(path, os.X_OK):

@@ -176,10 +176,10 @@ class Backend(abc.ABC):
     def now(self) -> datetime:
         """The store's clock (UTC), read with one round trip."""
 
-    def init(self) -> None:
+    def init(self) -> None:  # noqa: B027 -- optional hook: most stores need no setup
         """Create tables, indexes or scripts now (they are also created on first use)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- optional hook
         """Release connections. Leases held through this backend may end (session stores)."""
 
     # -- helpers for subclasses --------------------------------------------------------------
@@ -192,9 +192,7 @@ class Backend(abc.ABC):
         raise StoreUnavailable(f"{message}: {detail}" if detail else message) from exc
 
     @contextlib.contextmanager
-    def translate(
-        self, action: str, errors: tuple[type[BaseException], ...]
-    ) -> Iterator[None]:
+    def translate(self, action: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
         """Map ``errors`` raised inside the block to StoreUnavailable."""
         try:
             yield
