@@ -1,0 +1,568 @@
+"""The Redis store (``redis://``, ``rediss://``): every primitive is one Lua script, one round trip.
+
+Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` ``P``
+(default ``latchkey:``)::
+
+    P{H}:lease   sorted set  owner token -> lease expiry (ms, server clock); also the
+                             pub/sub channel on which releases are announced
+    P{H}:owner   hash        owner token -> "<fencing token>:<acquired ms>:<owner_info JSON>"
+    P{H}:fence   string      INCR counter of fencing tokens; never expires, never deleted
+    P{H}:record  hash        {value, version} of the versioned record ``name``
+
+``{H}`` is a Redis Cluster hash tag: every key of one name lives in one slot, and hex keeps
+any name (``{``, ``}``, NUL, binary) safe and prefix-preserving, so ``list(prefix)`` is a
+``SCAN MATCH P{hex(prefix)*}:lease``. A mutex is a semaphore of limit 1. The lease and owner
+keys expire (PEXPIREAT) with their longest-lived holder, so a crashed holder leaves nothing
+behind; the fence counter stays, so tokens keep increasing while the server keeps its data.
+
+Time is the server's: every script reads ``TIME`` (allowed in Redis >= 5 with effects
+replication, the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release
+script; one pub/sub connection per backend serves all waiters (see :class:`_Listener`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from latchkey._owner import Owner
+from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._url import Option, StoreURL, choice, key_prefix
+from latchkey.errors import ConfigError
+from latchkey.stores.base import Backend, Capabilities, Waiter
+
+# -- Lua ---------------------------------------------------------------------------------------
+# Shared helpers, prepended to the scripts that need them. Scores and expiries are integer
+# milliseconds of the server clock; a holder whose expiry is <= now is gone.
+_LUA_HELPERS = """
+if redis.replicate_commands then redis.replicate_commands() end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function drop_expired(lease, owners, now)
+  local gone = redis.call('ZRANGEBYSCORE', lease, '-inf', now)
+  for i = 1, #gone do redis.call('HDEL', owners, gone[i]) end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', lease, '-inf', now) end
+  return #gone
+end
+local function keep_until_last(lease, owners)
+  local last = redis.call('ZRANGE', lease, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', lease, last[2])
+    redis.call('PEXPIREAT', owners, last[2])
+  end
+end
+local function take(lease, owners, fence, owner, info, now, ttl, limit)
+  drop_expired(lease, owners, now)
+  local expires = now + ttl
+  local mine = redis.call('HGET', owners, owner)
+  if mine then
+    redis.call('ZADD', lease, expires, owner)
+    keep_until_last(lease, owners)
+    return {1, tonumber(string.match(mine, '^(%d+):')), expires}
+  end
+  local live = redis.call('ZCARD', lease)
+  if live >= limit then
+    local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
+    local rec = redis.call('HGET', owners, first[1]) or ''
+    return {0, live, rec, tonumber(first[2]), now}
+  end
+  local token = redis.call('INCR', fence)
+  redis.call('ZADD', lease, expires, owner)
+  redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
+  keep_until_last(lease, owners)
+  return {1, token, expires}
+end
+local function holders(lease, owners, now)
+  local out = {}
+  local live = redis.call('ZRANGEBYSCORE', lease, '(' .. now, '+inf', 'WITHSCORES')
+  for i = 1, #live, 2 do
+    out[#out + 1] = redis.call('HGET', owners, live[i]) or ''
+    out[#out + 1] = live[i + 1]
+  end
+  return out
+end
+"""
+
+# Take a slot of one name. A retried acquire by the same owner renews its own lease.
+# KEYS: lease zset, owner hash, fence counter.  ARGV: owner, owner_info, ttl ms, limit.
+# Returns {1, token, expires ms} or, when `limit` live holders exist,
+#         {0, live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
+# Keeps: at most `limit` live members; tokens come only from INCR on the fence key.
+ACQUIRE = _LUA_HELPERS + """
+return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], now_ms(),
+            tonumber(ARGV[3]), tonumber(ARGV[4]))
+"""
+
+# Take every free name of a batch (limit 1 each) with one expiry for all.
+# KEYS: lease, owner, fence of name 1, then of name 2, ...  ARGV: owner, owner_info, ttl ms.
+# Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
+CLAIM = _LUA_HELPERS + """
+local now = now_ms()
+local ttl = tonumber(ARGV[3])
+local out = {now + ttl}
+for i = 1, #KEYS, 3 do
+  local r = take(KEYS[i], KEYS[i + 1], KEYS[i + 2], ARGV[1], ARGV[2], now, ttl, 1)
+  out[#out + 1] = r[1] == 1 and r[2] or 0
+end
+return out
+"""
+
+# End the owner's lease on one name and announce it on the lease key's channel.
+# KEYS: lease zset, owner hash.  ARGV: owner.
+# Returns 1 if the owner's lease was live, else 0 (an expired entry is removed silently).
+# Keeps: never touches another owner's entry.
+RELEASE = _LUA_HELPERS + """
+local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expires then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if tonumber(expires) > now_ms() then
+  redis.call('PUBLISH', KEYS[1], '1')
+  return 1
+end
+return 0
+"""
+
+# RELEASE for many names. KEYS: lease, owner of name 1, then name 2, ...  ARGV: owner.
+# Returns how many of the owner's leases were live.
+RELEASE_MANY = _LUA_HELPERS + """
+local now = now_ms()
+local count = 0
+for i = 1, #KEYS, 2 do
+  local expires = redis.call('ZSCORE', KEYS[i], ARGV[1])
+  if expires then
+    redis.call('ZREM', KEYS[i], ARGV[1])
+    redis.call('HDEL', KEYS[i + 1], ARGV[1])
+    if tonumber(expires) > now then
+      redis.call('PUBLISH', KEYS[i], '1')
+      count = count + 1
+    end
+  end
+end
+return count
+"""
+
+# Move the owner's live lease to end ttl from now; the token is unchanged.
+# KEYS: lease zset, owner hash.  ARGV: owner, ttl ms.
+# Returns {token, expires ms}, or nil if the owner holds no live lease.
+EXTEND = _LUA_HELPERS + """
+local now = now_ms()
+local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local rec = redis.call('HGET', KEYS[2], ARGV[1])
+if not expires or not rec or tonumber(expires) <= now then return nil end
+expires = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], expires, ARGV[1])
+keep_until_last(KEYS[1], KEYS[2])
+return {tonumber(string.match(rec, '^(%d+):')), expires}
+"""
+
+# Live holders of names, read-only. KEYS: lease, owner of name 1, then name 2, ...
+# Returns {now ms, {rec, expires, rec, expires, ...} per name}.
+INSPECT = _LUA_HELPERS + """
+local now = now_ms()
+local out = {now}
+for i = 1, #KEYS, 2 do out[#out + 1] = holders(KEYS[i], KEYS[i + 1], now) end
+return out
+"""
+
+# Drop every lease on one name, whoever holds it; the fence counter stays.
+# KEYS: lease zset, owner hash.  Returns 1 if a live lease was dropped, else 0.
+FORCE_RELEASE = _LUA_HELPERS + """
+local live = redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
+redis.call('DEL', KEYS[1], KEYS[2])
+if live > 0 then
+  redis.call('PUBLISH', KEYS[1], '1')
+  return 1
+end
+return 0
+"""
+
+# Remove expired holders (keys whose holders all expired are already gone by PEXPIREAT).
+# KEYS: lease, owner of name 1, then name 2, ...  Returns how many entries were removed.
+PURGE = _LUA_HELPERS + """
+local now = now_ms()
+local count = 0
+for i = 1, #KEYS, 2 do count = count + drop_expired(KEYS[i], KEYS[i + 1], now) end
+return count
+"""
+
+# Write a record if its version is still the expected one (0: absent).
+# KEYS: record hash.  ARGV: value, expected version.  Returns the new version, or -1.
+RECORD_SET = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if current ~= tonumber(ARGV[2]) then return -1 end
+redis.call('HSET', KEYS[1], 'value', ARGV[1], 'version', current + 1)
+return current + 1
+"""
+
+# Delete a record if its version is still the expected one (never "deletes" an absent one).
+# KEYS: record hash.  ARGV: expected version.  Returns 1 if deleted, else 0.
+RECORD_DELETE = """
+local current = redis.call('HGET', KEYS[1], 'version')
+if not current or tonumber(current) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+_BATCH = 500  # names per script call in list() and purge_expired()
+
+
+def _dt(ms: int | float | str) -> datetime:
+    return datetime.fromtimestamp(int(float(ms)) / 1000, tz=timezone.utc)
+
+
+def _ttl_ms(ttl: float) -> int:
+    return max(1, math.ceil(ttl * 1000))
+
+
+def _holder(record: str, expires: int | float | str) -> Holder:
+    token, acquired, info = [*record.split(":", 2), "", ""][:3]
+    return Holder(
+        token=int(token) if token.isdigit() else None,
+        owner=Owner.from_json(info),
+        acquired_at=_dt(acquired) if acquired.isdigit() else None,
+        expires_at=_dt(expires),
+    )
+
+
+def _info(name: str, flat: Sequence[Any]) -> LockInfo | None:
+    holders = [_holder(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+    if not holders:
+        return None
+    holders.sort(key=lambda h: h.token or 0)  # tokens grow with acquisition order
+    return LockInfo(name, tuple(holders))
+
+
+class RedisBackend(Backend):
+    """Leases, claims and records in Redis, one Lua script per primitive."""
+
+    scheme: ClassVar[str] = "redis"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        durable=False, push=True, survives_eviction=False
+    )
+    options = {
+        "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
+        "ssl_cert_reqs": Option(
+            choice("required", "optional", "none"), "required", "rediss://: verify the server"
+        ),
+        "ssl_ca_certs": Option(str, None, "rediss://: CA bundle file"),
+    }
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        if len(url.hosts) > 1:
+            raise ConfigError(f"{url.scheme} store: one host only (got {len(url.hosts)})")
+        db_text = url.path.strip("/") or "0"
+        if not db_text.isdigit():
+            raise ConfigError(
+                f"{url.scheme} store: the URL path must be a db number, not {url.path!r}"
+            )
+        self.prefix: str = self.config["prefix"]
+        ssl: dict[str, Any] = {}
+        if url.scheme == "rediss":
+            ssl = {"ssl": True, "ssl_cert_reqs": self.config["ssl_cert_reqs"]}
+            if self.config["ssl_ca_certs"]:
+                ssl["ssl_ca_certs"] = self.config["ssl_ca_certs"]
+        self.client = redis.Redis(
+            host=url.host or "localhost",
+            port=url.port or 6379,
+            db=int(db_text),
+            username=url.username,
+            password=url.password,
+            socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+            decode_responses=True,
+            protocol=2,  # RESP2: works from Redis 5 on; pub/sub replies are plain arrays
+            **ssl,
+        )
+        register = self.client.register_script  # EVALSHA, EVAL-free; SCRIPT LOAD on NOSCRIPT
+        self._acquire = register(ACQUIRE)
+        self._claim = register(CLAIM)
+        self._release = register(RELEASE)
+        self._release_many = register(RELEASE_MANY)
+        self._extend = register(EXTEND)
+        self._inspect = register(INSPECT)
+        self._force_release = register(FORCE_RELEASE)
+        self._purge = register(PURGE)
+        self._record_set = register(RECORD_SET)
+        self._record_delete = register(RECORD_DELETE)
+        self._listener: _Listener | None = None
+        self._listener_lock = threading.Lock()
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def _base(self, name: str) -> str:
+        return f"{self.prefix}{{{name.encode('utf-8').hex()}}}"
+
+    def _keys(self, name: str) -> list[str]:
+        """The lease zset, owner hash and fence counter of ``name`` (one cluster slot)."""
+        base = self._base(name)
+        return [f"{base}:lease", f"{base}:owner", f"{base}:fence"]
+
+    def _name_of(self, lease_key: str) -> str | None:
+        """The name behind a lease key found by SCAN, or None for a foreign key."""
+        inner = lease_key[len(self.prefix) :]
+        if not (inner.startswith("{") and inner.endswith("}:lease")):
+            return None
+        try:
+            return bytes.fromhex(inner[1:-7]).decode("utf-8")
+        except ValueError:
+            return None
+
+    def _scan_names(self, prefix: str) -> list[str]:
+        pattern = f"{self.prefix}{{{prefix.encode('utf-8').hex()}*}}:lease"
+        names = {self._name_of(key) for key in self.client.scan_iter(match=pattern, count=1000)}
+        return sorted(n for n in names if n is not None and n.startswith(prefix))
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        with self.translate("acquire", _ERRORS):
+            reply = self._acquire(self._keys(name), [owner, owner_info, _ttl_ms(ttl), limit])
+        if int(reply[0]) == 1:
+            return Grant(int(reply[1]), _dt(reply[2]))
+        expires, now = int(reply[3]), int(reply[4])
+        return Busy(int(reply[1]), _holder(reply[2], expires), max(0, expires - now) / 1000)
+
+    def release(self, name: str, owner: str) -> bool:
+        with self.translate("release", _ERRORS):
+            return int(self._release(self._keys(name)[:2], [owner])) == 1
+
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        with self.translate("extend", _ERRORS):
+            reply = self._extend(self._keys(name)[:2], [owner, _ttl_ms(ttl)])
+        return None if reply is None else Grant(int(reply[0]), _dt(reply[1]))
+
+    def inspect(self, name: str) -> LockInfo | None:
+        with self.translate("inspect", _ERRORS):
+            reply = self._inspect(self._keys(name)[:2])
+        return _info(name, reply[1])
+
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        with self.translate("list", _ERRORS):
+            names = self._scan_names(prefix)
+        for start in range(0, len(names), _BATCH):
+            chunk = names[start : start + _BATCH]
+            keys = [key for n in chunk for key in self._keys(n)[:2]]
+            with self.translate("list", _ERRORS):
+                reply = self._inspect(keys)
+            for n, flat in zip(chunk, reply[1:], strict=True):
+                if (info := _info(n, flat)) is not None:
+                    yield info
+
+    def force_release(self, name: str) -> bool:
+        with self.translate("force_release", _ERRORS):
+            return int(self._force_release(self._keys(name)[:2])) == 1
+
+    def purge_expired(self) -> int:
+        count = 0
+        with self.translate("purge_expired", _ERRORS):
+            names = self._scan_names("")
+            for start in range(0, len(names), _BATCH):
+                keys = [k for n in names[start : start + _BATCH] for k in self._keys(n)[:2]]
+                count += int(self._purge(keys))
+        return count
+
+    # -- batch claims ----------------------------------------------------------------------
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        if not names:
+            return {}
+        keys = [key for n in names for key in self._keys(n)]
+        with self.translate("claim", _ERRORS):
+            reply = self._claim(keys, [owner, owner_info, _ttl_ms(ttl)])
+        expires = _dt(reply[0])
+        tokens = [int(t) for t in reply[1:]]
+        return {n: Grant(t, expires) for n, t in zip(names, tokens, strict=True) if t > 0}
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        if not names:
+            return 0
+        keys = [key for n in names for key in self._keys(n)[:2]]
+        with self.translate("release_many", _ERRORS):
+            return int(self._release_many(keys, [owner]))
+
+    # -- versioned records -----------------------------------------------------------------
+
+    def _record_key(self, name: str) -> str:
+        return f"{self._base(name)}:record"
+
+    def record_get(self, name: str) -> tuple[str | None, int]:
+        with self.translate("record_get", _ERRORS):
+            value, version = self.client.hmget(self._record_key(name), ["value", "version"])
+        return (None, 0) if version is None else (str(value), int(version))
+
+    def record_set(self, name: str, value: str, version: int) -> int | None:
+        with self.translate("record_set", _ERRORS):
+            new = int(self._record_set([self._record_key(name)], [value, version]))
+        return None if new < 0 else new
+
+    def record_delete(self, name: str, version: int) -> bool:
+        with self.translate("record_delete", _ERRORS):
+            return int(self._record_delete([self._record_key(name)], [version])) == 1
+
+    # -- waiting, health, lifecycle --------------------------------------------------------
+
+    def subscribe(self, name: str) -> Waiter:
+        """A waiter already subscribed (confirmed by the server) to ``name``'s channel."""
+        channel = self._keys(name)[0]
+        with self.translate("subscribe", _ERRORS):
+            listener = self._get_listener()
+            event = listener.add(channel, self.timeout)
+        return _PushWaiter(listener, channel, event)
+
+    def _get_listener(self) -> _Listener:
+        with self._listener_lock:
+            current = self._listener
+            if current is None or current.error is not None or current.pid != os.getpid():
+                if current is not None and current.pid == os.getpid():
+                    current.close()
+                pool = self.client.connection_pool
+                conn = pool.connection_class(**pool.connection_kwargs)
+                self._listener = current = _Listener(conn)
+            return current
+
+    def now(self) -> datetime:
+        with self.translate("now", _ERRORS):
+            seconds, micros = self.client.time()
+        return datetime.fromtimestamp(seconds + micros / 1e6, tz=timezone.utc)
+
+    def init(self) -> None:
+        """Load the scripts now (they are also loaded on first use, after NOSCRIPT)."""
+        with self.translate("init", _ERRORS):
+            for script in (self._acquire, self._claim, self._release, self._release_many,
+                           self._extend, self._inspect, self._force_release, self._purge,
+                           self._record_set, self._record_delete):
+                script.sha = self.client.script_load(script.script)
+
+    def close(self) -> None:
+        with self._listener_lock:
+            if self._listener is not None and self._listener.pid == os.getpid():
+                self._listener.close()
+            self._listener = None
+        self.client.close()
+
+
+class _Listener:
+    """One pub/sub connection shared by every waiter of a backend, read by a daemon thread.
+
+    Replies to SUBSCRIBE/UNSUBSCRIBE come back in order on the connection, so each command
+    gets a sequence number and a subscriber waits until the reader has counted the reply to
+    its own SUBSCRIBE: only then is the server sure to deliver the next PUBLISH. A channel is
+    unsubscribed when its last waiter closes. If the connection fails, every waiter is woken
+    (its next acquire reports the error or succeeds) and the next subscribe opens a new one.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.pid = os.getpid()
+        self.cond = threading.Condition()
+        self.channels: dict[str, set[threading.Event]] = {}
+        self.subscribed_at: dict[str, int] = {}  # channel -> sequence number of its SUBSCRIBE
+        self.sent = 0
+        self.acked = 0
+        self.error: BaseException | None = None
+        self.closed = False
+        conn.connect()
+        self.thread = threading.Thread(target=self._run, name="latchkey-redis-wake", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.closed:
+                if self.conn.can_read(timeout=1.0):
+                    self._dispatch(self.conn.read_response())
+        except Exception as exc:  # the connection is gone: fail over to polling
+            with self.cond:
+                self.error = exc
+                for events in self.channels.values():
+                    for event in events:
+                        event.set()
+                self.cond.notify_all()
+
+    def _dispatch(self, reply: Any) -> None:
+        kind = reply[0]
+        with self.cond:
+            if kind in ("subscribe", "unsubscribe"):
+                self.acked += 1
+                self.cond.notify_all()
+            elif kind == "message":
+                for event in self.channels.get(reply[1], ()):
+                    event.set()
+
+    def add(self, channel: str, timeout: float) -> threading.Event:
+        event = threading.Event()
+        with self.cond:
+            if self.error is not None:
+                raise self.error
+            if channel not in self.channels:
+                self.channels[channel] = set()
+                self.sent += 1
+                self.subscribed_at[channel] = self.sent
+                self.conn.send_command("SUBSCRIBE", channel, check_health=False)
+            self.channels[channel].add(event)
+            seq = self.subscribed_at[channel]
+            if not self.cond.wait_for(lambda: self.acked >= seq or self.error is not None, timeout):
+                self._discard(channel, event)
+                raise redis.TimeoutError(f"no reply to SUBSCRIBE within {timeout:g}s")
+            if self.error is not None:
+                raise self.error
+        return event
+
+    def remove(self, channel: str, event: threading.Event) -> None:
+        with self.cond:
+            self._discard(channel, event)
+
+    def _discard(self, channel: str, event: threading.Event) -> None:
+        events = self.channels.get(channel)
+        if events is None:
+            return
+        events.discard(event)
+        if events or self.error is not None or self.closed:
+            return
+        del self.channels[channel]
+        del self.subscribed_at[channel]
+        self.sent += 1
+        try:
+            self.conn.send_command("UNSUBSCRIBE", channel, check_health=False)
+        except _ERRORS as exc:
+            self.error = exc
+
+    def close(self) -> None:
+        self.closed = True
+        self.conn.disconnect()
+
+
+class _PushWaiter(Waiter):
+    """Woken by a PUBLISH from a release script; polls (plain sleep) if the listener failed."""
+
+    def __init__(self, listener: _Listener, channel: str, event: threading.Event) -> None:
+        self._listener = listener
+        self._channel = channel
+        self._event = event
+
+    def wait(self, timeout: float) -> bool:
+        woke = self._event.wait(max(0.0, timeout))
+        self._event.clear()
+        if woke and self._listener.error is not None:
+            return False
+        return woke
+
+    def close(self) -> None:
+        self._listener.remove(self._channel, self._event)
