@@ -57,6 +57,8 @@ class Capabilities:
     semaphores: bool = True
     claims: bool = True
     records: bool = True
+    force_release: bool = True
+    """``force_release`` can drop a lease held by another connection or process."""
     session_tied: bool = False
     """Locks live as long as one connection (PostgreSQL advisory locks, MySQL GET_LOCK)."""
     survives_eviction: bool = True

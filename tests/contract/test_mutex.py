@@ -1,0 +1,305 @@
+"""The mutex semantics of DESIGN.md §2, on every store in the table (tests/servers)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import datetime
+
+import pytest
+
+import latchkey
+from latchkey import InvalidName, LatchkeyError, LockLost, LockTimeout
+from tests.helpers import HOSTILE_NAMES, eventually
+
+
+def test_acquire_release(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="30s", wait=0)
+    assert lock.acquire() is True
+    assert lock.held and not lock.lost
+    info = store.inspect(name)
+    assert info is not None and info.name == name and len(info.holders) == 1
+    if store.capabilities.listing:
+        assert str(info.owner).startswith(f"{os.getpid()}@")
+    if store.capabilities.fencing:
+        assert isinstance(lock.token, int) and lock.token > 0
+        assert info.token == lock.token
+    if store.capabilities.ttl:
+        assert isinstance(lock.expires_at, datetime)
+        assert lock.expires_at > store.now()
+    assert not store.is_free(name)
+    assert lock.release() is True
+    assert not lock.held
+    assert store.is_free(name)
+    assert lock.release() is False  # not held any more: a no-op
+
+
+def test_mutual_exclusion_and_busy_holder(store: latchkey.Store, name: str) -> None:
+    first = store.lock(name, ttl="30s", metadata={"job": "nightly"})
+    first.acquire()
+    second = store.lock(name, ttl="30s", wait=0)
+    assert second.acquire() is False
+    assert not second.held
+    if store.capabilities.listing or store.capabilities.ttl:
+        assert second.holder is not None
+        assert second.holder.owner.metadata == {"job": "nightly"}
+    with pytest.raises(LockTimeout) as caught:
+        with store.lock(name, ttl="30s", wait=0):
+            pytest.fail("entered a held lock")
+    assert name in str(caught.value)
+    assert isinstance(caught.value, TimeoutError)
+    first.release()
+    assert second.acquire() is True
+    second.release()
+
+
+def test_two_store_objects_exclude_each_other(store_url: str, name: str) -> None:
+    a, b = latchkey.connect(store_url), latchkey.connect(store_url)
+    try:
+        with a.lock(name, ttl="30s"):
+            assert b.lock(name, ttl="30s", wait=0).acquire() is False
+        assert b.lock(name, ttl="30s", wait=0).acquire() is True
+    finally:
+        a.close()
+        b.close()
+
+
+def test_context_manager_releases_on_exception(store: latchkey.Store, name: str) -> None:
+    with pytest.raises(RuntimeError), store.lock(name, ttl="30s"):
+        assert not store.is_free(name)
+        raise RuntimeError("boom")
+    assert store.is_free(name)
+
+
+def test_lock_object_is_reusable_but_not_reentrant(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="30s", wait=0)
+    assert lock.acquire()
+    with pytest.raises(LatchkeyError):
+        lock.acquire()
+    assert lock.release()
+    assert lock.acquire()
+    assert lock.release()
+
+
+@pytest.mark.requires("fencing")
+def test_tokens_increase_across_release(store: latchkey.Store, name: str) -> None:
+    tokens = []
+    for _ in range(3):
+        with store.lock(name, ttl="30s") as lock:
+            tokens.append(lock.token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3
+
+
+@pytest.mark.requires("fencing", "force_release")
+def test_tokens_increase_across_force_release(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="30s")
+    lock.acquire()
+    assert store.force_release(name) is True
+    with store.lock(name, ttl="30s", wait=0) as newer:
+        assert newer.token is not None and lock.token is not None
+        assert newer.token > lock.token
+
+
+@pytest.mark.requires("fencing", "ttl")
+def test_tokens_increase_across_expiry_and_purge(store: latchkey.Store, name: str) -> None:
+    first = store.lock(name, ttl="200ms")
+    first.acquire()
+    eventually(lambda: store.is_free(name), what="lease expiry")
+    if store.capabilities.listing:
+        store.purge_expired()
+    second = store.lock(name, ttl="30s", wait=0)
+    assert second.acquire()
+    assert second.token is not None and first.token is not None
+    assert second.token > first.token
+    second.release()
+
+
+@pytest.mark.requires("ttl")
+def test_expired_lease_is_free_for_the_next_taker(store: latchkey.Store, name: str) -> None:
+    store.lock(name, ttl="200ms").acquire()
+    taker = store.lock(name, ttl="30s", wait="20s")
+    assert taker.acquire() is True  # freed by expiry, not by release
+    taker.release()
+
+
+@pytest.mark.requires("ttl")
+def test_release_after_expiry_returns_false(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="200ms")
+    lock.acquire()
+    eventually(lambda: store.is_free(name), what="lease expiry")
+    assert lock.release() is False
+
+
+@pytest.mark.requires("ttl")
+def test_extend_after_expiry_raises_lock_lost(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="200ms")
+    lock.acquire()
+    eventually(lambda: store.is_free(name), what="lease expiry")
+    with pytest.raises(LockLost):
+        lock.extend("10s")
+    assert lock.lost
+
+
+@pytest.mark.requires("ttl")
+def test_old_holder_never_touches_the_new_holders_lease(store: latchkey.Store, name: str) -> None:
+    old = store.lock(name, ttl="200ms")
+    old.acquire()
+    new = store.lock(name, ttl="30s", wait="20s")
+    assert new.acquire()
+    assert old.release() is False
+    with pytest.raises(LockLost):
+        old.extend("30s")
+    info = store.inspect(name)
+    assert info is not None and len(info.holders) == 1
+    if store.capabilities.fencing:
+        assert info.token == new.token
+    assert new.release() is True
+
+
+def test_extend_by_a_non_holder_raises(store: latchkey.Store, name: str) -> None:
+    holder = store.lock(name, ttl="30s")
+    holder.acquire()
+    other = store.lock(name, ttl="30s", wait=0)
+    with pytest.raises(LockLost):
+        other.extend()
+    assert other.release() is False
+    assert not store.is_free(name)
+    holder.release()
+
+
+@pytest.mark.requires("ttl")
+def test_extend_moves_the_expiry(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="5s")
+    lock.acquire()
+    before = lock.expires_at
+    token = lock.token
+    lock.extend("60s")
+    assert lock.expires_at is not None and before is not None
+    assert lock.expires_at > before
+    assert lock.token == token
+    lock.release()
+
+
+@pytest.mark.requires("ttl")
+def test_holder_gives_up_by_its_own_clock(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="300ms")
+    lock.acquire()
+    lock.check()
+    eventually(lambda: lock.lost, what="local deadline")
+    with pytest.raises(LockLost):
+        lock.check()
+    # The local deadline passes before the store frees the lease (drift margin).
+    lock.release()
+
+
+@pytest.mark.requires("ttl")
+def test_renewal_keeps_the_lease_alive(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="1s", renew=True)
+    lock.acquire()
+    first_expiry = lock.expires_at
+    eventually(lambda: lock.expires_at != first_expiry, what="a renewal")
+    time.sleep(1.5)  # longer than the TTL: only renewal can keep the lease
+    assert not lock.lost
+    lock.check()
+    assert store.lock(name, ttl="1s", wait=0).acquire() is False
+    assert lock.release() is True
+
+
+@pytest.mark.requires("force_release")
+def test_renewal_failure_marks_the_lock_lost(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="600ms", renew=True)
+    lock.acquire()
+    assert store.force_release(name) is True
+    eventually(lambda: lock.lost, what="renewer noticing the lost lease")
+    with pytest.raises(LockLost):
+        lock.check()
+    assert lock.release() is False
+
+
+def test_blocking_wait_is_woken_by_release(store: latchkey.Store, name: str) -> None:
+    holder = store.lock(name, ttl="60s")
+    holder.acquire()
+    result: list[bool] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(store.lock(name, ttl="60s", wait="30s").acquire())
+    )
+    waiter.start()
+    eventually(lambda: waiter.is_alive(), what="waiter started")
+    holder.release()
+    waiter.join(timeout=40)
+    assert result == [True]  # the lease was 60 s long: only the release can have freed it
+
+
+def test_wait_gives_up_after_the_wait(store: latchkey.Store, name: str) -> None:
+    holder = store.lock(name, ttl="60s")
+    holder.acquire()
+    started = time.monotonic()
+    assert store.lock(name, ttl="60s", wait="300ms").acquire() is False
+    assert time.monotonic() - started >= 0.3
+    holder.release()
+
+
+@pytest.mark.requires("force_release")
+def test_force_release(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="60s")
+    lock.acquire()
+    assert store.force_release(name) is True
+    assert store.is_free(name)
+    assert store.force_release(name) is False
+    assert lock.release() is False
+    with pytest.raises(LockLost):
+        lock.extend()
+
+
+@pytest.mark.requires("listing")
+def test_list_by_prefix(store: latchkey.Store, name: str) -> None:
+    names = [f"{name}:b", f"{name}:a", f"{name}x"]
+    locks = [store.lock(n, ttl="60s") for n in names]
+    for lock in locks:
+        lock.acquire()
+    listed = [info.name for info in store.list(prefix=f"{name}:")]
+    assert listed == [f"{name}:a", f"{name}:b"]
+    assert {info.name for info in store.list(prefix=name)} == set(names)
+    for lock in locks:
+        lock.release()
+    assert list(store.list(prefix=name)) == []
+
+
+@pytest.mark.requires("listing", "ttl")
+def test_purge_removes_only_expired(store: latchkey.Store, name: str) -> None:
+    short = store.lock(f"{name}:short", ttl="200ms")
+    short.acquire()
+    live = store.lock(f"{name}:live", ttl="60s")
+    live.acquire()
+    eventually(lambda: store.is_free(f"{name}:short"), what="lease expiry")
+    assert store.purge_expired() >= 0
+    assert [i.name for i in store.list(prefix=name)] == [f"{name}:live"]
+    live.release()
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_NAMES)
+def test_any_name_is_just_a_name(store: latchkey.Store, hostile: str) -> None:
+    with store.lock(hostile, ttl="30s") as lock:
+        info = store.inspect(hostile)
+        assert info is not None and info.name == hostile
+        assert store.lock(hostile, wait=0).acquire() is False
+        if store.capabilities.listing:
+            assert hostile in [i.name for i in store.list(prefix=hostile[:5])]
+        assert lock.held
+    assert store.is_free(hostile)
+
+
+@pytest.mark.requires("listing")
+def test_like_wildcards_in_prefix_are_literal(store: latchkey.Store, name: str) -> None:
+    with store.lock(f"{name}:a_c", ttl="30s"), store.lock(f"{name}:abc", ttl="30s"):
+        assert [i.name for i in store.list(prefix=f"{name}:a_")] == [f"{name}:a_c"]
+        assert [i.name for i in store.list(prefix=f"{name}:%")] == []
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 256, "é" * 128, "\ud800", None, 42])
+def test_invalid_names(store: latchkey.Store, bad: object) -> None:
+    with pytest.raises(InvalidName):
+        store.lock(bad, ttl="1s")  # type: ignore[arg-type]
+    with pytest.raises(InvalidName):
+        store.inspect(bad)  # type: ignore[arg-type]
