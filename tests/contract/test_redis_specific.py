@@ -1,0 +1,340 @@
+"""What only the Redis store has to show: its key layout, its scripts, its failure modes.
+
+The shared semantics are tested by the rest of tests/contract on every store. Tests that stop
+or misconfigure a server start their own disposable one, so the shared server stays up.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+import latchkey
+from latchkey import ConfigError, LockLost, StoreUnavailable
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from latchkey.stores.redis import RedisBackend
+from tests.conftest import ServerPool
+from tests.helpers import HOSTILE_NAMES, eventually
+from tests.servers import RunningServer, ServerUnavailable
+from tests.servers.redis import start_redis
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and "redis" not in _selected:
+    pytest.skip("the redis row is not selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"redis: server required in CI but unavailable: {reason}")
+    pytest.skip(f"redis: not run: {reason}")
+
+
+@pytest.fixture
+def redis_url(server_pool: ServerPool) -> str:
+    """The shared server's URL with a key prefix of this test's own."""
+    try:
+        base = server_pool.base_url("redis")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+    return f"{base}?prefix=t{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def backend(redis_url: str) -> Iterator[RedisBackend]:
+    b = open_backend(redis_url)
+    assert isinstance(b, RedisBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RunningServer]:
+    """A private server that a test may stop, restart or protect with a password."""
+    try:
+        server = start_redis(tmp_path / "redis")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+    yield server
+    server.stop()
+
+
+def _commands(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+# -- key layout ------------------------------------------------------------------------------
+
+
+def test_keys_of_one_name_share_a_cluster_slot(backend: RedisBackend) -> None:
+    for name in ["plain", "{tag}", "a}b{c", "nul\x00inside", "é" * 127]:
+        keys = [*backend._keys(name), backend._record_key(name)]
+        assert len({key_slot(k.encode()) for k in keys}) == 1, keys
+        assert all(k.startswith(backend.prefix) for k in keys)
+
+
+@pytest.mark.parametrize("hostile", [*HOSTILE_NAMES, "{", "}", "}{", "\x00", "\x00" * 255])
+def test_hostile_names_round_trip(backend: RedisBackend, hostile: str) -> None:
+    grant = backend.acquire(hostile, "a" * 32, INFO, 30)
+    assert isinstance(grant, Grant)
+    info = backend.inspect(hostile)
+    assert info is not None and info.name == hostile and info.token == grant.token
+    assert [i.name for i in backend.list(prefix=hostile)] == [hostile]
+    for key in backend.client.scan_iter(match=f"{backend.prefix}*"):
+        assert key.isascii() and key.count("{") == 1 and key.count("}") == 1
+    assert backend.release(hostile, "a" * 32) is True
+    assert backend.inspect(hostile) is None
+
+
+def test_list_prefix_is_a_byte_prefix_of_the_name(backend: RedisBackend) -> None:
+    for n in ["job:1", "job:10", "job:2", "jobs", "other"]:
+        backend.acquire(n, uuid.uuid4().hex, INFO, 30)
+    assert [i.name for i in backend.list(prefix="job:")] == ["job:1", "job:10", "job:2"]
+    assert [i.name for i in backend.list(prefix="job:1")] == ["job:1", "job:10"]
+    assert len(list(backend.list())) == 5
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["prefix=bad{x", "prefix=with%20space", "prefix=" + "p" * 101, "nosuch=1", "timeout=soon"],
+)
+def test_bad_options_are_config_errors(query: str) -> None:
+    with pytest.raises(ConfigError):
+        open_backend(f"redis://127.0.0.1:1/0?{query}")
+
+
+def test_bad_db_path_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="db number"):
+        open_backend("redis://127.0.0.1:1/zero")
+
+
+def test_prefix_separates_stores(redis_url: str) -> None:
+    base = redis_url.split("?")[0]
+    one, two = open_backend(f"{base}?prefix=one:"), open_backend(f"{base}?prefix=two:")
+    name = uuid.uuid4().hex
+    try:
+        assert isinstance(one.acquire(name, "a" * 32, INFO, 30), Grant)
+        assert isinstance(two.acquire(name, "b" * 32, INFO, 30), Grant)
+        assert one.release(name, "a" * 32) and two.release(name, "b" * 32)
+    finally:
+        one.close()
+        two.close()
+
+
+# -- scripts ---------------------------------------------------------------------------------
+
+
+def test_scripts_never_touch_another_owners_lease(backend: RedisBackend) -> None:
+    lease_key = backend._keys("n")[0]
+    grant = backend.acquire("n", "a" * 32, INFO, 30)
+    assert isinstance(grant, Grant)
+    score = backend.client.zscore(lease_key, "a" * 32)
+    assert backend.release("n", "b" * 32) is False
+    assert backend.extend("n", "b" * 32, 600) is None
+    assert backend.release_many(["n"], "b" * 32) == 0
+    busy = backend.acquire("n", "b" * 32, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holders == 1
+    assert busy.holder is not None and busy.holder.token == grant.token
+    assert busy.retry_after is not None and 29 < busy.retry_after <= 30
+    assert backend.client.zscore(lease_key, "a" * 32) == score  # untouched
+    assert backend.release("n", "a" * 32) is True
+
+
+def test_semaphore_slots_are_per_owner(backend: RedisBackend) -> None:
+    owners = [uuid.uuid4().hex for _ in range(4)]
+    grants = [backend.acquire("sem", o, INFO, 30, limit=3) for o in owners]
+    assert [isinstance(g, Grant) for g in grants] == [True, True, True, False]
+    busy = grants[3]
+    assert isinstance(busy, Busy) and busy.holders == 3
+    assert backend.release("sem", owners[3]) is False
+    assert backend.extend("sem", owners[3], 60) is None
+    info = backend.inspect("sem")
+    assert info is not None
+    assert [h.token for h in info.holders] == [g.token for g in grants[:3] if isinstance(g, Grant)]
+    assert backend.release("sem", owners[1]) is True
+    assert isinstance(backend.acquire("sem", owners[3], INFO, 30, limit=3), Grant)
+
+
+def test_leases_expire_by_the_servers_clock_and_the_fence_stays(backend: RedisBackend) -> None:
+    lease_key, owner_key, fence_key = backend._keys("n")
+    backend.acquire("n", "a" * 32, INFO, 0.3)
+    assert 0 < backend.client.pttl(lease_key) <= 300
+    assert 0 < backend.client.pttl(owner_key) <= 300
+    assert backend.client.pttl(fence_key) == -1  # never expires
+    eventually(lambda: backend.client.exists(lease_key, owner_key) == 0, what="keys expired")
+    assert backend.purge_expired() == 0  # nothing left behind to purge
+    grant = backend.acquire("n", "b" * 32, INFO, 30)
+    assert isinstance(grant, Grant) and grant.token == 2
+
+
+def test_purge_counts_expired_semaphore_entries(backend: RedisBackend) -> None:
+    backend.acquire("sem", "a" * 32, INFO, 0.2, limit=2)
+    backend.acquire("sem", "b" * 32, INFO, 60, limit=2)
+    eventually(lambda: len(backend.inspect("sem").holders) == 1, what="one expired")  # type: ignore[union-attr]
+    assert backend.purge_expired() == 1
+    assert backend.client.zcard(backend._keys("sem")[0]) == 1
+
+
+def test_acquire_and_release_are_one_evalsha_each(backend: RedisBackend) -> None:
+    backend.acquire("warm", "w" * 32, INFO, 30)  # loads the script after NOSCRIPT if needed
+    backend.release("warm", "w" * 32)
+    before = _commands(backend.client)
+    backend.acquire("n", "a" * 32, INFO, 30)
+    backend.release("n", "a" * 32)
+    after = _commands(backend.client)
+    spent = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    # commandstats also counts the commands the scripts ran; of the client's own commands
+    # only the two EVALSHA (and our INFO) may appear: no EVAL, SCRIPT LOAD, PING or TIME.
+    assert spent["evalsha"] == 2, spent
+    assert not {"eval", "script|load", "script", "ping", "hello", "auth"} & spent.keys()
+
+
+def test_records_are_compare_and_set(backend: RedisBackend) -> None:
+    assert backend.record_get("r") == (None, 0)
+    assert backend.record_set("r", '{"a":1}', 0) == 1
+    assert backend.record_set("r", '{"a":2}', 0) is None
+    assert backend.record_get("r") == ('{"a":1}', 1)
+    assert backend.record_delete("r", 0) is False
+    assert backend.record_delete("r", 1) is True
+    assert backend.record_get("r") == (None, 0)
+
+
+# -- waiting ---------------------------------------------------------------------------------
+
+
+def test_waiters_share_one_pubsub_connection(backend: RedisBackend) -> None:
+    waiters = [backend.subscribe(f"w{i}") for i in range(5)] + [backend.subscribe("w0")]
+    channels = backend.client.pubsub_channels(f"{backend.prefix}*")
+    assert sorted(channels) == sorted({backend._keys(f"w{i}")[0] for i in range(5)})
+    clients = backend.client.client_list()
+    assert sum(int(c["sub"]) > 0 for c in clients) == 1
+    backend.acquire("w0", "a" * 32, INFO, 30)
+    backend.release("w0", "a" * 32)
+    assert waiters[0].wait(5) and waiters[-1].wait(5)
+    assert not waiters[1].wait(0.05)
+    for w in waiters:
+        w.close()
+    eventually(lambda: not backend.client.pubsub_channels(f"{backend.prefix}*"), what="unsub")
+
+
+def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend) -> None:
+    backend.acquire("n", "a" * 32, INFO, 60)
+    with backend.subscribe("n") as waiter:
+        backend.release("n", "a" * 32)
+        start = time.monotonic()
+        assert waiter.wait(10) is True
+        assert time.monotonic() - start < 2
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_server_stopped_mid_run(own_server: RunningServer) -> None:
+    url = f"{own_server.url}?timeout=2"
+    store, other = latchkey.connect(url), latchkey.connect(url)
+    try:
+        held = store.lock("job", ttl="60s")
+        assert held.acquire()
+        blocked: list[BaseException] = []
+
+        def wait_for_it() -> None:
+            try:
+                other.lock("job", ttl="60s", wait="30s").acquire()
+            except BaseException as exc:
+                blocked.append(exc)
+
+        waiter = threading.Thread(target=wait_for_it)
+        waiter.start()
+        channel = other.backend._keys("job")[0]  # type: ignore[attr-defined]
+        client = other.backend.client  # type: ignore[attr-defined]
+        eventually(lambda: client.pubsub_numsub(channel)[0][1] == 1, what="waiter subscribed")
+        own_server.stop()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=rf"redis store at .*:{own_server.port}"):
+            store.lock("job", ttl="60s", wait=0).acquire()
+        assert time.monotonic() - started < 3
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and isinstance(blocked[0], StoreUnavailable)
+
+        own_server.start()  # no persistence: every lease and counter is gone
+        assert held.release() is False
+        first = store.lock("job", ttl="60s", wait=0)
+        second = other.lock("job", ttl="60s", wait=0)
+        assert first.acquire() is True
+        assert second.acquire() is False  # no double grant after the restart
+        with pytest.raises(LockLost):
+            held.extend("1m")
+        first.release()
+    finally:
+        store.close()
+        other.close()
+
+
+def test_wrong_password_is_unavailable_and_not_shown(tmp_path: Path) -> None:
+    try:
+        server = start_redis(tmp_path / "auth", password="right-pw-7F3k")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+    try:
+        host = f"127.0.0.1:{server.port}"
+        for url in [f"redis://:wrong-pw-Q9zX@{host}/0", f"redis://user1:wrong-pw-Q9zX@{host}/0"]:
+            store = latchkey.connect(url)
+            with pytest.raises(StoreUnavailable) as caught:
+                store.lock("n", wait=0).acquire()
+            assert "wrong-pw-Q9zX" not in str(caught.value)
+            assert "wrong-pw-Q9zX" not in repr(store.backend)
+            store.close()
+        with pytest.raises(StoreUnavailable):
+            latchkey.connect(f"redis://{host}/0").lock("n", wait=0).acquire()
+        good = latchkey.connect(f"redis://:right-pw-7F3k@{host}/0")
+        with good.lock("n", ttl="10s", wait=0) as lock:
+            assert lock.token == 1
+        with good.lock("n", ttl="10s", wait="5s") as lock:  # waits through pub/sub with AUTH
+            assert lock.token == 2
+        good.close()
+    finally:
+        server.stop()
+
+
+def test_unreachable_server_fails_within_the_timeout() -> None:
+    store = latchkey.connect("redis://127.0.0.1:1/0?timeout=1")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="acquire failed"):
+        store.lock("n", wait=0).acquire()
+    with pytest.raises(StoreUnavailable, match="subscribe failed"):
+        store.backend.subscribe("n")
+    assert time.monotonic() - started < 3
+
+
+def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
+    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+    backend.subscribe("warm").close()  # the parent has a listener thread and pooled sockets
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads (3.12+)
+        pid = os.fork()
+    if pid == 0:  # child: must not share the parent's sockets
+        code = 1
+        try:
+            busy = backend.acquire("n", "b" * 32, INFO, 30)
+            waiter = backend.subscribe("n")
+            waiter.close()
+            code = 0 if isinstance(busy, Busy) and busy.holders == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.release("n", "a" * 32) is True  # the parent's connection still works
+    with backend.subscribe("n") as waiter:
+        assert waiter.wait(0.01) is False
