@@ -103,13 +103,11 @@ def store_url(store_row: servers.StoreRow, base_url: str, tmp_path: Path) -> str
 @pytest.fixture
 def store(store_url: str, request: pytest.FixtureRequest) -> Iterator[latchkey.Store]:
     s = latchkey.connect(store_url)
-    marker = request.node.get_closest_marker("requires")
-    if marker is not None:
-        caps = s.capabilities
-        missing = [c for c in marker.args if not getattr(caps, c)]
-        if missing:
-            s.close()
-            pytest.skip(f"{s.scheme} store declares no {', '.join(missing)} (capabilities)")
+    needed = [c for marker in request.node.iter_markers("requires") for c in marker.args]
+    missing = [c for c in needed if not getattr(s.capabilities, c)]
+    if missing:
+        s.close()
+        pytest.skip(f"{s.scheme} store declares no {', '.join(missing)} (capabilities)")
     try:
         yield s
     finally:

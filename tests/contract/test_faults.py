@@ -1,0 +1,84 @@
+"""Faults, for every store with a server: unreachable, stopped mid-run, restarted.
+
+A store failure is StoreUnavailable (a ConnectionError) within the configured timeout — never
+"busy" — the next call after the server is back reconnects, and no lease is granted twice.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+import latchkey
+from latchkey import LockLost, StoreUnavailable
+from tests import servers
+
+
+def _with_port(url: str, port: int) -> str:
+    return re.sub(
+        r"@?(127\.0\.0\.1|localhost):\d+",
+        lambda m: m.group(0).split(":")[0] + f":{port}",
+        url,
+        count=1,
+    )
+
+
+def test_unreachable_server_is_unavailable_not_busy(
+    store_row: servers.StoreRow, base_url: str, name: str
+) -> None:
+    if store_row.server is None:
+        pytest.skip(f"{store_row.id}: embedded store, nothing to reach")
+    url = servers.with_query(_with_port(base_url, servers.free_port()), timeout="2s")
+    store = latchkey.connect(url)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        store.lock(name, ttl="10s", wait=0).acquire()
+    assert time.monotonic() - started < 15
+    assert isinstance(caught.value, ConnectionError)
+    with pytest.raises(StoreUnavailable):
+        store.inspect(name)
+    store.close()
+
+
+def test_server_stopped_mid_run_then_restarted(
+    store_row: servers.StoreRow,
+    running_server: servers.RunningServer,
+    store_url: str,
+    name: str,
+) -> None:
+    url = servers.with_query(store_url, timeout="2s")
+    store, other = latchkey.connect(url), latchkey.connect(url)
+    holder = store.lock(name, ttl="60s")
+    assert holder.acquire()
+    assert other.lock(name, ttl="60s", wait=0).acquire() is False
+    running_server.stop()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            other.lock(name, ttl="60s", wait=0).acquire()
+        with pytest.raises(StoreUnavailable):
+            other.lock(name, ttl="60s", wait="1s").acquire()  # a wait never hides a failure
+        with pytest.raises(StoreUnavailable):
+            holder.extend()
+        assert time.monotonic() - started < 30
+    finally:
+        running_server.start()
+    caps = store.capabilities
+    second = other.lock(name, ttl="60s", wait=0)
+    if caps.durable and caps.ttl:
+        # The lease survived the restart: still the holder's, and no one else's.
+        assert second.acquire() is False
+        holder.extend()
+        assert holder.release() is True
+        assert second.acquire() is True
+    else:
+        # The lease died with the server (or its session): the holder must learn it.
+        with pytest.raises(LockLost):
+            holder.extend()
+        assert holder.lost
+        assert second.acquire() is True
+    second.release()
+    store.close()
+    other.close()
