@@ -1,0 +1,7 @@
+"""``python -m latchkey`` is the ``latchkey`` command."""
+
+import sys
+
+from latchkey.cli import main
+
+sys.exit(main())

@@ -1,0 +1,207 @@
+"""The ``latchkey`` command as a user runs it, on the embedded SQLite store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import eventually
+
+EXE = Path(sys.executable).parent / "latchkey"
+LATCHKEY = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "latchkey"]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "LATCHKEY_URL": f"sqlite:///{tmp_path}/locks.db"}
+
+
+def latchkey(
+    env: dict[str, str], *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LATCHKEY, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture
+def holder(env: dict[str, str], tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """``latchkey run nightly`` holding the lock until the file ``stop`` appears."""
+    script = f"touch {tmp_path}/started; while [ ! -e {tmp_path}/stop ]; do sleep 0.02; done"
+    proc = subprocess.Popen(
+        [*LATCHKEY, "run", "nightly", "--ttl", "1m", "--", "sh", "-c", script],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="holder started")
+    yield proc
+    (tmp_path / "stop").touch()
+    proc.wait(timeout=30)
+
+
+def test_run_passes_name_token_and_status(env: dict[str, str]) -> None:
+    result = latchkey(
+        env, "run", "job", "--", "sh", "-c", 'echo "$LATCHKEY_NAME $LATCHKEY_TOKEN"; exit 3'
+    )
+    assert result.returncode == 3
+    name, token = result.stdout.split()
+    assert name == "job" and int(token) > 0
+
+
+def test_second_run_is_busy_and_names_the_holder(
+    env: dict[str, str], holder: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    busy = latchkey(env, "run", "nightly", "--", "true")
+    assert busy.returncode == 75
+    assert f"{holder.pid}@" in busy.stderr and "until" in busy.stderr
+    assert len(busy.stderr.strip().splitlines()) == 1
+    skipped = latchkey(env, "run", "nightly", "--skip-busy", "--", "true")
+    assert skipped.returncode == 0 and skipped.stdout == skipped.stderr == ""
+    listing = latchkey(env, "ls")
+    assert listing.returncode == 0
+    assert "nightly" in listing.stdout and f"{holder.pid}@" in listing.stdout
+    assert listing.stdout.splitlines()[0].split() == [
+        "NAME",
+        "TOKEN",
+        "OWNER",
+        "SINCE",
+        "EXPIRES",
+        "IN",
+    ]
+    (tmp_path / "stop").touch()
+    assert holder.wait(timeout=30) == 0
+    assert latchkey(env, "ls").stdout.strip() == "no locks held"
+    assert latchkey(env, "run", "nightly", "--", "true").returncode == 0
+
+
+def test_json_output(env: dict[str, str], holder: subprocess.Popen[str]) -> None:
+    listed = json.loads(latchkey(env, "ls", "--json").stdout)
+    assert [item["name"] for item in listed] == ["nightly"]
+    assert listed[0]["holders"][0]["owner"]["pid"] == holder.pid
+    assert listed[0]["holders"][0]["expires_in"] > 0
+    shown = json.loads(latchkey(env, "show", "nightly", "--json").stdout)
+    assert (
+        shown["free"] is False and shown["holders"][0]["token"] == listed[0]["holders"][0]["token"]
+    )
+    assert json.loads(latchkey(env, "show", "other", "--json").stdout)["free"] is True
+
+
+def test_wait_then_run(env: dict[str, str], holder: subprocess.Popen[str], tmp_path: Path) -> None:
+    waiter = subprocess.Popen(
+        [*LATCHKEY, "run", "nightly", "--wait", "60s", "--", "true"], env=env, text=True
+    )
+    eventually(lambda: latchkey(env, "ls").stdout.count("nightly") == 1, what="holder listed")
+    (tmp_path / "stop").touch()
+    assert waiter.wait(timeout=60) == 0
+
+
+def test_bad_input_exits_78_with_one_line(env: dict[str, str]) -> None:
+    for args, needle in [
+        (["--url", "bogus://x", "ls"], "bogus"),
+        (["run", "x", "--ttl", "10q", "--", "true"], "10q"),
+        (["run", "x", "--wait", "-1", "--", "true"], "-1"),
+        (["--url", "sqlite:////no/such/dir/x.db", "ls"], "/no/such/dir"),
+        (["--url", "sqlite:///x.db?tabel=y", "ls"], "tabel"),
+        (["run", "", "--", "true"], "empty"),
+        (["run", "x", "true"], "--"),
+        (["run", "x", "--"], "no command"),
+    ]:
+        result = latchkey(env, *args)
+        assert result.returncode == 78, (args, result.stderr)
+        assert needle in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
+
+
+def test_unreachable_store_exits_69_without_password(env: dict[str, str]) -> None:
+    result = latchkey(env, "ls", "--url", "redis://:s3cr3t-pw@127.0.0.1:1/0?timeout=1s")
+    assert result.returncode == 69
+    assert "s3cr3t-pw" not in result.stderr + result.stdout
+    assert "***" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_url_option_after_the_subcommand(env: dict[str, str], tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/other.db"
+    assert (
+        latchkey(
+            env, "run", "elsewhere", "--url", url, "--at-least", "30s", "--", "true"
+        ).returncode
+        == 0
+    )
+    assert "elsewhere" in latchkey(env, "--url", url, "ls").stdout
+    assert "elsewhere" not in latchkey(env, "ls").stdout
+
+
+def test_at_least_keeps_the_lock(env: dict[str, str]) -> None:
+    assert latchkey(env, "run", "tick", "--at-least", "1m", "--", "true").returncode == 0
+    assert latchkey(env, "run", "tick", "--", "true").returncode == 75
+    assert latchkey(env, "release", "tick").returncode == 78  # needs --force
+    released = latchkey(env, "release", "tick", "--force")
+    assert released.returncode == 0 and "released tick" in released.stdout
+    assert latchkey(env, "run", "tick", "--", "true").returncode == 0
+
+
+def test_limit_makes_a_semaphore(env: dict[str, str], tmp_path: Path) -> None:
+    script = f"touch {tmp_path}/in.$$; while [ ! -e {tmp_path}/stop ]; do sleep 0.02; done"
+    procs = [
+        subprocess.Popen(
+            [*LATCHKEY, "run", "pool", "--limit", "2", "--", "sh", "-c", script], env=env
+        )
+        for _ in range(2)
+    ]
+    eventually(lambda: len(list(tmp_path.glob("in.*"))) == 2, timeout=30, what="two holders")
+    assert latchkey(env, "run", "pool", "--limit", "2", "--", "true").returncode == 75
+    (tmp_path / "stop").touch()
+    assert [p.wait(timeout=30) for p in procs] == [0, 0]
+
+
+def test_signals_are_forwarded_and_the_lock_released(env: dict[str, str], tmp_path: Path) -> None:
+    script = f'trap "exit 42" TERM; touch {tmp_path}/started; while true; do sleep 0.02; done'
+    proc = subprocess.Popen([*LATCHKEY, "run", "sig", "--", "sh", "-c", script], env=env)
+    eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="command started")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 42
+    assert latchkey(env, "show", "sig").stdout.strip() == "sig is free"
+
+
+def test_kill_on_lost(env: dict[str, str], tmp_path: Path) -> None:
+    script = f"touch {tmp_path}/started; while true; do sleep 0.02; done"
+    proc = subprocess.Popen(
+        [*LATCHKEY, "run", "lossy", "--ttl", "1s", "--kill-on-lost", "--", "sh", "-c", script],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="command started")
+    assert latchkey(env, "release", "lossy", "--force").returncode == 0
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "lost the lock" in stderr
+
+
+def test_missing_command_exits_127(env: dict[str, str]) -> None:
+    result = latchkey(env, "run", "x", "--", "no-such-command-here")
+    assert result.returncode == 127 and "no-such-command-here" in result.stderr
+    assert latchkey(env, "show", "x").stdout.strip() == "x is free"
+
+
+def test_check_reports_round_trip_and_clock(env: dict[str, str]) -> None:
+    human = latchkey(env, "check")
+    assert human.returncode == 0
+    assert "round trip" in human.stdout and "clock offset" in human.stdout
+    data = json.loads(latchkey(env, "check", "--json").stdout)
+    assert data["ok"] is True and data["round_trip_ms"] >= 0
+    assert abs(data["clock_offset_ms"]) < 1000  # the same machine's clock
+
+
+def test_purge_and_init(env: dict[str, str]) -> None:
+    assert latchkey(env, "init").returncode == 0
+    assert json.loads(latchkey(env, "purge", "--json").stdout) == {"purged": 0}
