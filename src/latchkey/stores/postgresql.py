@@ -1,0 +1,699 @@
+"""The ``postgresql://`` store: leases in a table, fencing tokens from a sequence.
+
+Layout (``?table=`` default ``latchkey_locks``, in ``?schema=`` or the connection's current
+schema), created on first use or by :meth:`PostgreSQLBackend.init`:
+
+- ``<table>``: one row per live (or expired, not yet reused) lease: ``name`` (the name's UTF-8
+  bytes as ``bytea``, so NUL and any character round-trip), ``slot`` (0 … limit-1; a mutex is
+  slot 0), ``owner`` (the owner token), ``owner_info`` (JSON text), ``token`` (fencing),
+  ``acquired_at``/``expires_at`` by the server's clock. Primary key ``(name, slot)``.
+- ``<table>_fence``: the sequence fencing tokens come from. It is global, so tokens strictly
+  increase per name across release, expiry, purge and restart.
+- ``<table>_records``: versioned records. ``<table>_meta``: the schema version.
+
+Every primitive is one statement in autocommit mode (one round trip, one commit). Release
+sends ``pg_notify`` in the same statement; waiters ``LISTEN`` on one extra connection per
+backend (:class:`Listener`) and fall back to polling if it is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import selectors
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg import sql
+
+from latchkey._owner import Owner
+from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._url import Option, StoreURL, choice, identifier
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.base import Backend, Capabilities, EventWaiter, Waiter
+
+SCHEMA_VERSION = 1
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, OSError)
+
+# A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
+# several processes starting at once do not race in CREATE … IF NOT EXISTS.
+DDL_LOCK_KEY = 0x6C6174636B6B6579
+
+# -- SQL ---------------------------------------------------------------------------------------
+# Templates: {locks} {fence} {records} {meta} {expires_idx} are the validated identifiers;
+# %(…)s are parameters. Names are always bytea parameters (the UTF-8 bytes of the name).
+
+# Creates the tables, index and sequence if absent (run in one transaction under DDL_LOCK_KEY).
+CREATE_STATEMENTS = (
+    """CREATE TABLE IF NOT EXISTS {locks} (
+        name bytea NOT NULL,
+        slot integer NOT NULL,
+        owner text NOT NULL,
+        owner_info text NOT NULL,
+        token bigint NOT NULL,
+        acquired_at timestamptz NOT NULL,
+        expires_at timestamptz NOT NULL,
+        PRIMARY KEY (name, slot))""",
+    "CREATE INDEX IF NOT EXISTS {expires_idx} ON {locks} (expires_at)",
+    "CREATE SEQUENCE IF NOT EXISTS {fence} AS bigint",
+    """CREATE TABLE IF NOT EXISTS {records} (
+        name bytea PRIMARY KEY,
+        value text NOT NULL,
+        version bigint NOT NULL)""",
+    "CREATE TABLE IF NOT EXISTS {meta} (key text PRIMARY KEY, value text NOT NULL)",
+    """INSERT INTO {meta} (key, value) VALUES ('schema_version', %(version)s)
+        ON CONFLICT (key) DO NOTHING""",
+)
+
+# The schema version the tables were created with; newer than ours means we must not write.
+SELECT_VERSION = "SELECT value FROM {meta} WHERE key = 'schema_version'"
+
+# Inputs: name, owner, owner_info, ttl (s). A mutex is slot 0: takes it if free or expired
+# (the ON CONFLICT … WHERE re-checks expiry on the newest row version, so a live lease is
+# never taken over). Result: (true, token, expires_at, NULLs) when granted; else the live
+# holder (false, token, expires_at, owner_info, acquired_at, seconds left) from this
+# statement's snapshot; no row if the holder committed after the snapshot (a lost race).
+ACQUIRE_MUTEX = """
+WITH taken AS (
+    INSERT INTO {locks} AS l (name, slot, owner, owner_info, token, acquired_at, expires_at)
+    VALUES (%(name)s, 0, %(owner)s, %(owner_info)s, nextval({fence_regclass}), now(),
+            now() + %(ttl)s::float8 * interval '1 second')
+    ON CONFLICT (name, slot) DO UPDATE SET
+        owner = excluded.owner, owner_info = excluded.owner_info, token = excluded.token,
+        acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+    WHERE l.expires_at <= now()
+    RETURNING l.token, l.expires_at
+)
+SELECT true, token, expires_at, NULL::text, NULL::timestamptz, NULL::float8 FROM taken
+UNION ALL (
+    SELECT false, token, expires_at, owner_info, acquired_at,
+           extract(epoch FROM expires_at - now())::float8
+    FROM {locks}
+    WHERE name = %(name)s AND slot = 0 AND expires_at > now() AND NOT EXISTS (SELECT FROM taken)
+)
+"""
+
+# Inputs: name, owner, owner_info, ttl (s), limit. A semaphore: takes the lowest free slot
+# of ``name`` if fewer than ``limit`` leases are live (expired rows are taken over, live ones
+# never). Always one result row: (token, expires_at) when granted, else NULLs; then the live
+# count and the soonest-expiring live holder (token, owner_info, acquired_at, expires_at,
+# seconds until it expires).
+ACQUIRE_SLOT = """
+WITH live AS (
+    SELECT slot, token, owner_info, acquired_at, expires_at FROM {locks}
+    WHERE name = %(name)s AND expires_at > now()
+), pick AS (
+    SELECT s.slot FROM generate_series(0, %(limit)s::integer - 1) AS s (slot)
+    WHERE (SELECT count(*) FROM live) < %(limit)s::integer
+      AND s.slot NOT IN (SELECT slot FROM live)
+    ORDER BY s.slot LIMIT 1
+), taken AS (
+    INSERT INTO {locks} AS l (name, slot, owner, owner_info, token, acquired_at, expires_at)
+    SELECT %(name)s, pick.slot, %(owner)s, %(owner_info)s, nextval({fence_regclass}), now(),
+           now() + %(ttl)s::float8 * interval '1 second'
+    FROM pick
+    ON CONFLICT (name, slot) DO UPDATE SET
+        owner = excluded.owner, owner_info = excluded.owner_info, token = excluded.token,
+        acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+    WHERE l.expires_at <= now()
+    RETURNING l.token, l.expires_at
+)
+SELECT taken.token, taken.expires_at, (SELECT count(*) FROM live),
+       soonest.token, soonest.owner_info, soonest.acquired_at, soonest.expires_at,
+       extract(epoch FROM soonest.expires_at - now())::float8
+FROM (SELECT 1) AS one
+LEFT JOIN taken ON true
+LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON true
+"""
+
+# Inputs: name, owner, channel. Deletes owner's row of ``name`` (live or expired) and
+# notifies waiters. Result: whether the deleted lease was still live (False if none).
+RELEASE = """
+WITH gone AS (
+    DELETE FROM {locks} WHERE name = %(name)s AND owner = %(owner)s
+    RETURNING name, expires_at > now() AS live
+)
+SELECT coalesce(bool_or(live), false)
+FROM (SELECT live, pg_notify(%(channel)s, encode(name, 'hex')) FROM gone) AS notified
+"""
+
+# Inputs: name, owner, ttl. Moves the expiry of owner's *live* lease; the token stays.
+# Result: (token, expires_at), or no row if the lease is not live.
+EXTEND = """
+UPDATE {locks} SET expires_at = now() + %(ttl)s::float8 * interval '1 second'
+WHERE name = %(name)s AND owner = %(owner)s AND expires_at > now()
+RETURNING token, expires_at
+"""
+
+# Input: name. Result: the live holders, oldest first.
+INSPECT = """
+SELECT token, owner_info, acquired_at, expires_at FROM {locks}
+WHERE name = %(name)s AND expires_at > now()
+ORDER BY acquired_at, slot
+"""
+
+# Inputs: low, high (byte range of the prefix; high NULL: no upper bound). Result: live rows
+# in name order (bytea order is UTF-8 byte order, which is code point order).
+LIST = """
+SELECT name, token, owner_info, acquired_at, expires_at FROM {locks}
+WHERE expires_at > now() AND name >= %(low)s AND (%(high)s::bytea IS NULL OR name < %(high)s)
+ORDER BY name, acquired_at, slot
+"""
+
+# Inputs: name, channel. Deletes every lease of ``name`` whoever holds it and notifies
+# waiters. Result: whether a live one was dropped.
+FORCE_RELEASE = """
+WITH gone AS (
+    DELETE FROM {locks} WHERE name = %(name)s
+    RETURNING name, expires_at > now() AS live
+)
+SELECT coalesce(bool_or(live), false)
+FROM (SELECT live, pg_notify(%(channel)s, encode(name, 'hex')) FROM gone) AS notified
+"""
+
+# Deletes expired rows (rows being taken over right now are skipped, not waited for; rows
+# are locked in key order like CLAIM so the two never deadlock). Result: the count.
+PURGE = """
+WITH expired AS (
+    SELECT ctid FROM {locks} WHERE expires_at <= now()
+    ORDER BY name, slot FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {locks} AS l USING expired WHERE l.ctid = expired.ctid AND l.expires_at <= now()
+"""
+
+# Inputs: names (distinct, bytea[]), owner, owner_info, ttl. Takes slot 0 of every name that
+# has no live lease, in name order (so concurrent claims lock rows in the same order and never
+# deadlock); one expiry for the batch. Result: (name, token, expires_at) per name taken.
+CLAIM = """
+INSERT INTO {locks} AS l (name, slot, owner, owner_info, token, acquired_at, expires_at)
+SELECT n.name, 0, %(owner)s, %(owner_info)s, nextval({fence_regclass}), now(),
+       now() + %(ttl)s::float8 * interval '1 second'
+FROM unnest(%(names)s::bytea[]) AS n (name)
+WHERE NOT EXISTS (
+    SELECT 1 FROM {locks} AS o WHERE o.name = n.name AND o.slot > 0 AND o.expires_at > now())
+ORDER BY n.name
+ON CONFLICT (name, slot) DO UPDATE SET
+    owner = excluded.owner, owner_info = excluded.owner_info, token = excluded.token,
+    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+WHERE l.expires_at <= now()
+RETURNING l.name, l.token, l.expires_at
+"""
+
+# Inputs: names (bytea[]), owner, channel. Deletes owner's rows of those names (locked in
+# name order, like CLAIM) and notifies waiters. Result: how many were live.
+RELEASE_MANY = """
+WITH mine AS (
+    SELECT ctid FROM {locks} WHERE name = ANY(%(names)s::bytea[]) AND owner = %(owner)s
+    ORDER BY name, slot FOR UPDATE
+), gone AS (
+    DELETE FROM {locks} AS l USING mine WHERE l.ctid = mine.ctid
+    RETURNING l.name, l.expires_at > now() AS live
+)
+SELECT count(*) FILTER (WHERE live)
+FROM (SELECT live, pg_notify(%(channel)s, encode(name, 'hex')) FROM gone) AS notified
+"""
+
+# Input: name. Result: (value, version) or no row.
+RECORD_GET = "SELECT value, version FROM {records} WHERE name = %(name)s"
+
+# Inputs: name, value. Creates the record at version 1 unless it exists. Result: 1 or no row.
+RECORD_INSERT = """
+INSERT INTO {records} (name, value, version) VALUES (%(name)s, %(value)s, 1)
+ON CONFLICT (name) DO NOTHING RETURNING version
+"""
+
+# Inputs: name, value, version. Writes only if the version is unchanged; bumps it.
+# Result: the new version, or no row if it moved.
+RECORD_UPDATE = """
+UPDATE {records} SET value = %(value)s, version = version + 1
+WHERE name = %(name)s AND version = %(version)s RETURNING version
+"""
+
+# Inputs: name, version. Deletes only if the version is unchanged; version 0 means "absent",
+# which is still true if no row exists. Result: whether that held.
+RECORD_DELETE = """
+WITH gone AS (DELETE FROM {records} WHERE name = %(name)s AND version = %(version)s RETURNING 1)
+SELECT EXISTS (SELECT 1 FROM gone)
+    OR (%(version)s = 0 AND NOT EXISTS (SELECT 1 FROM {records} WHERE name = %(name)s))
+"""
+
+NOW = "SELECT now()"
+
+STATEMENTS: Mapping[str, str] = {
+    "acquire_mutex": ACQUIRE_MUTEX, "acquire_slot": ACQUIRE_SLOT, "release": RELEASE,
+    "extend": EXTEND, "inspect": INSPECT,
+    "list": LIST, "force_release": FORCE_RELEASE, "purge": PURGE, "claim": CLAIM,
+    "release_many": RELEASE_MANY, "record_get": RECORD_GET, "record_insert": RECORD_INSERT,
+    "record_update": RECORD_UPDATE, "record_delete": RECORD_DELETE, "now": NOW,
+}
+
+
+# -- connections -------------------------------------------------------------------------------
+
+
+def table_name(text: str) -> str:
+    """A table name short enough that ``<table>_records`` fits PostgreSQL's 63-byte limit."""
+    identifier(text)
+    if len(text) > 55:
+        raise ValueError("must be at most 55 characters (63 minus the '_records' suffix)")
+    return text
+
+
+def _text(value: str) -> str:
+    return value
+
+
+CONNECTION_OPTIONS: Mapping[str, Option] = {
+    "sslmode": Option(
+        choice("disable", "allow", "prefer", "require", "verify-ca", "verify-full"), None,
+        "libpq sslmode",
+    ),
+    "sslrootcert": Option(_text, None, "CA certificate file (libpq sslrootcert)"),
+    "sslcert": Option(_text, None, "client certificate file (libpq sslcert)"),
+    "sslkey": Option(_text, None, "client key file (libpq sslkey)"),
+}
+
+
+def connection_params(
+    url: StoreURL, config: Mapping[str, Any], application_name: str
+) -> dict[str, Any]:
+    """libpq parameters from the URL: timeouts and keepalives bound every wait on the network."""
+    timeout: float = config["timeout"]
+    params: dict[str, Any] = {
+        "connect_timeout": max(2, math.ceil(timeout)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(timeout / 2)),
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1, int(timeout * 1000)),
+        "application_name": application_name,
+        "options": f"-c statement_timeout={max(1, int(timeout * 1000))} -c TimeZone=UTC",
+    }
+    if url.hosts:
+        params["host"] = ",".join(host for host, _ in url.hosts)
+        if any(port for _, port in url.hosts):
+            params["port"] = ",".join(str(port or 5432) for _, port in url.hosts)
+    if url.username:
+        params["user"] = url.username
+    if url.password:
+        params["password"] = url.password
+    if url.path.strip("/"):
+        params["dbname"] = url.path.strip("/")
+    for key in CONNECTION_OPTIONS:
+        if config.get(key):
+            params[key] = config[key]
+    return params
+
+
+def utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc)
+
+
+# Connections left behind by a fork: the child must neither use nor close them (closing would
+# end the parent's session), and keeping them referenced avoids "deleted while open" warnings.
+_FORKED_AWAY: list[object] = []
+_AT_FORK: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for backend in list(_AT_FORK):
+        backend._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Listener:
+    """One ``LISTEN`` connection per backend, shared by the waiters of every name.
+
+    A daemon thread reads notifications (payload: a key such as the name's hex) and sets the
+    events of that key's waiters. If the connection is lost, every waiter is woken once (so it
+    retries and sees the store's state) and later waits poll; the next subscribe reconnects.
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], channel: str) -> None:
+        self._connect = connect
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = {}
+        self._conn: psycopg.Connection[Any] | None = None
+        self._stop_fd = -1
+
+    def subscribe(self, key: str) -> Waiter:
+        """A waiter for ``key``; the connection is listening before this returns."""
+        event = threading.Event()
+        with self._lock:
+            if self._conn is None:
+                self._start()
+            self._waiters.setdefault(key, set()).add(event)
+        return EventWaiter(event, on_close=lambda: self._unsubscribe(key, event))
+
+    def _unsubscribe(self, key: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._waiters.get(key)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiters[key]
+
+    def _start(self) -> None:
+        conn = self._connect()
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        except BaseException:
+            conn.close()
+            raise
+        stop_r, stop_w = os.pipe()
+        self._conn, self._stop_fd = conn, stop_w
+        thread = threading.Thread(
+            target=self._run, args=(conn, stop_r, stop_w), name="latchkey-pg-listen", daemon=True
+        )
+        thread.start()
+
+    def _run(self, conn: psycopg.Connection[Any], stop_r: int, stop_w: int) -> None:
+        pid = os.getpid()
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            selector.register(stop_r, selectors.EVENT_READ)
+            while True:
+                if any(key.fd == stop_r for key, _ in selector.select()):
+                    break
+                conn.pgconn.consume_input()
+                while (note := conn.pgconn.notifies()) is not None:
+                    self._wake(note.extra.decode("ascii", "replace"))
+        except (psycopg.Error, OSError, ValueError):
+            pass  # connection lost: wake everyone below; later waits poll
+        finally:
+            selector.close()
+            if os.getpid() == pid:
+                with self._lock:
+                    if self._conn is conn:
+                        self._conn = None
+                    everyone = [e for events in self._waiters.values() for e in events]
+                for event in everyone:
+                    event.set()
+                conn.close()
+                os.close(stop_r)
+                os.close(stop_w)
+
+    def _wake(self, key: str) -> None:
+        with self._lock:
+            events = list(self._waiters.get(key, ()))
+        for event in events:
+            event.set()
+
+    def close(self) -> None:
+        """Stop the thread (it closes its connection)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._stop_fd, b"x")
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the thread is gone and the connection is the parent's."""
+        self._lock = threading.Lock()
+        if self._conn is not None:
+            _FORKED_AWAY.append(self._conn)
+        self._conn = None
+        self._waiters = {}
+
+
+class Session:
+    """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.params = params
+        self.lock = threading.Lock()
+        self.conn: psycopg.Connection[Any] | None = None
+        self.generation = 0
+        """Counts connections opened: a session-tied lock is valid only in its generation."""
+        self._pid = os.getpid()
+
+    def open(self) -> psycopg.Connection[Any]:
+        """A new autocommit connection (not the shared one), for listeners."""
+        return psycopg.connect(autocommit=True, **self.params)
+
+    def connection(self) -> psycopg.Connection[Any]:
+        """The shared connection; call with :attr:`lock` held."""
+        if self._pid != os.getpid():
+            self.forget_after_fork()
+        if self.conn is None or self.conn.closed:
+            self.conn = self.open()
+            self.generation += 1
+        return self.conn
+
+    def broken(self) -> bool:
+        """After an error: drop the connection if it is no longer usable (call under lock)."""
+        conn = self.conn
+        if conn is not None and (conn.closed or conn.broken):
+            self.conn = None
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+            return True
+        return conn is None
+
+    def forget_after_fork(self) -> None:
+        self.lock = threading.Lock()
+        if self.conn is not None:
+            _FORKED_AWAY.append(self.conn)
+        self.conn = None
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn = self.conn, None
+        if conn is not None and self._pid == os.getpid():
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+
+def holder(token: int | None, owner_info: str | None, acquired: Any, expires: Any) -> Holder:
+    return Holder(
+        token=token,
+        owner=Owner.from_json(owner_info),
+        acquired_at=utc(acquired) if acquired is not None else None,
+        expires_at=utc(expires) if expires is not None else None,
+    )
+
+
+class PostgreSQLBackend(Backend):
+    """Leases in a PostgreSQL table; see the module docstring for the layout."""
+
+    scheme = "postgresql"
+    capabilities = Capabilities(push=True)
+    options: ClassVar[Mapping[str, Option]] = {
+        "table": Option(table_name, "latchkey_locks", "lease table (also <table>_records …)"),
+        "schema": Option(identifier, None, "schema of the tables (default: current schema)"),
+        **CONNECTION_OPTIONS,
+    }
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.table: str = self.config["table"]
+        self.schema: str | None = self.config["schema"]
+        self.channel = self.table  # NOTIFY channel: payload is the name's UTF-8 bytes in hex
+        self._session = Session(connection_params(url, self.config, "latchkey"))
+        self._listener = Listener(self._session.open, self.channel)
+        self._sql: dict[str, bytes] = {}
+        _AT_FORK.add(self)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _ident(self, name: str) -> sql.Identifier:
+        return sql.Identifier(self.schema, name) if self.schema else sql.Identifier(name)
+
+    def _render(self, conn: psycopg.Connection[Any], template: str) -> bytes:
+        fence = self._ident(f"{self.table}_fence")
+        return sql.SQL(template).format(
+            locks=self._ident(self.table),
+            fence=fence,
+            fence_regclass=sql.Literal(fence.as_string(conn)),
+            records=self._ident(f"{self.table}_records"),
+            meta=self._ident(f"{self.table}_meta"),
+            expires_idx=sql.Identifier(f"{self.table}_expires"),
+        ).as_bytes(conn)
+
+    def _create(self, conn: psycopg.Connection[Any]) -> None:
+        """Create what is missing, one process at a time; refuse tables from a newer version."""
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (DDL_LOCK_KEY,))
+            if self.schema:
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    sql.Identifier(self.schema)))
+            for statement in CREATE_STATEMENTS:
+                conn.execute(self._render(conn, statement), {"version": str(SCHEMA_VERSION)})
+            row = conn.execute(self._render(conn, SELECT_VERSION)).fetchone()
+        found = int(row[0]) if row else SCHEMA_VERSION
+        if found > SCHEMA_VERSION:
+            raise StoreUnavailable(
+                f"{self.scheme} store at {self.url.redacted()}: table {self.table} has schema "
+                f"version {found}, newer than this latchkey ({SCHEMA_VERSION}); upgrade latchkey"
+            )
+
+    def _run(
+        self, action: str, statement: str, params: Mapping[str, Any]
+    ) -> tuple[list[tuple[Any, ...]], int]:
+        """Run one named statement: (rows, rowcount). Creates the tables on first use."""
+        session = self._session
+        with session.lock:
+            try:
+                conn = session.connection()
+                if not self._sql:
+                    self._sql = {key: self._render(conn, text) for key, text in STATEMENTS.items()}
+                query = self._sql[statement]
+                try:
+                    cur = conn.execute(query, params, prepare=True)
+                except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+                    self._create(conn)  # first use: the tables are missing
+                    cur = conn.execute(query, params, prepare=True)
+                rows = cur.fetchall() if cur.description else []
+                return rows, cur.rowcount
+            except DRIVER_ERRORS as exc:
+                session.broken()
+                self.unavailable(exc, action)
+
+    def _forget_after_fork(self) -> None:
+        self._session.forget_after_fork()
+        self._listener.forget_after_fork()
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
+                  "ttl": float(ttl), "limit": limit}
+        if limit == 1:
+            rows, _ = self._run(f"acquire {name!r}", "acquire_mutex", params)
+            if not rows:
+                return Busy(holders=0)  # taken by someone who committed after our snapshot
+            granted, token, expires, info, acquired, left = rows[0]
+            if granted:
+                return Grant(token=token, expires_at=utc(expires))
+            return Busy(holders=1, holder=holder(token, info, acquired, expires),
+                        retry_after=max(0.0, left))
+        rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
+        token, expires, live, h_token, h_info, h_acquired, h_expires, left = rows[0]
+        if token is not None:
+            return Grant(token=token, expires_at=utc(expires))
+        soonest = holder(h_token, h_info, h_acquired, h_expires) if h_token is not None else None
+        return Busy(holders=live, holder=soonest,
+                    retry_after=max(0.0, left) if left is not None else None)
+
+    def release(self, name: str, owner: str) -> bool:
+        params = {"name": name.encode(), "owner": owner, "channel": self.channel}
+        rows, _ = self._run(f"release {name!r}", "release", params)
+        return bool(rows[0][0])
+
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        params = {"name": name.encode(), "owner": owner, "ttl": float(ttl)}
+        rows, _ = self._run(f"extend {name!r}", "extend", params)
+        return Grant(token=rows[0][0], expires_at=utc(rows[0][1])) if rows else None
+
+    def inspect(self, name: str) -> LockInfo | None:
+        rows, _ = self._run(f"inspect {name!r}", "inspect", {"name": name.encode()})
+        if not rows:
+            return None
+        return LockInfo(name=name, holders=tuple(holder(*row) for row in rows))
+
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        low = prefix.encode()
+        high = _successor(low)
+        rows, _ = self._run("list", "list", {"low": low, "high": high})
+        infos: list[LockInfo] = []
+        current: bytes | None = None
+        holders: list[Holder] = []
+        for raw, *rest in rows:
+            raw = bytes(raw)
+            if raw != current and current is not None:
+                infos.append(LockInfo(current.decode(), tuple(holders)))
+                holders = []
+            current = raw
+            holders.append(holder(*rest))
+        if current is not None:
+            infos.append(LockInfo(current.decode(), tuple(holders)))
+        return iter(infos)
+
+    def force_release(self, name: str) -> bool:
+        params = {"name": name.encode(), "channel": self.channel}
+        rows, _ = self._run(f"force-release {name!r}", "force_release", params)
+        return bool(rows[0][0])
+
+    def purge_expired(self) -> int:
+        _, count = self._run("purge expired leases", "purge", {})
+        return max(0, count)
+
+    # -- batch claims --------------------------------------------------------------------------
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        if not names:
+            return {}
+        params = {"names": [n.encode() for n in names], "owner": owner,
+                  "owner_info": owner_info, "ttl": float(ttl)}
+        rows, _ = self._run(f"claim {len(names)} names", "claim", params)
+        taken = {bytes(raw).decode(): Grant(token, utc(exp)) for raw, token, exp in rows}
+        return {n: taken[n] for n in names if n in taken}
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        if not names:
+            return 0
+        params = {"names": [n.encode() for n in names], "owner": owner, "channel": self.channel}
+        rows, _ = self._run(f"release {len(names)} names", "release_many", params)
+        return int(rows[0][0])
+
+    # -- versioned records ---------------------------------------------------------------------
+
+    def record_get(self, name: str) -> tuple[str | None, int]:
+        rows, _ = self._run(f"read record {name!r}", "record_get", {"name": name.encode()})
+        return (rows[0][0], int(rows[0][1])) if rows else (None, 0)
+
+    def record_set(self, name: str, value: str, version: int) -> int | None:
+        params = {"name": name.encode(), "value": value, "version": version}
+        statement = "record_insert" if version == 0 else "record_update"
+        rows, _ = self._run(f"write record {name!r}", statement, params)
+        return int(rows[0][0]) if rows else None
+
+    def record_delete(self, name: str, version: int) -> bool:
+        params = {"name": name.encode(), "version": version}
+        rows, _ = self._run(f"delete record {name!r}", "record_delete", params)
+        return bool(rows[0][0])
+
+    # -- waiting, health, lifecycle ------------------------------------------------------------
+
+    def subscribe(self, name: str) -> Waiter:
+        with self.translate(f"listen for releases of {name!r}", DRIVER_ERRORS):
+            return self._listener.subscribe(name.encode().hex())
+
+    def now(self) -> datetime:
+        rows, _ = self._run("read the clock", "now", {})
+        return utc(rows[0][0])
+
+    def init(self) -> None:
+        session = self._session
+        with session.lock, self.translate("create tables", DRIVER_ERRORS):
+            try:
+                self._create(session.connection())
+            except DRIVER_ERRORS:
+                session.broken()
+                raise
+
+    def close(self) -> None:
+        self._listener.close()
+        self._session.close()
+
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The smallest byte string greater than every string starting with ``prefix``."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])

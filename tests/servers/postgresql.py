@@ -1,0 +1,127 @@
+"""A disposable PostgreSQL server for the tests, and the two PostgreSQL store rows.
+
+PostgreSQL refuses to run as root, so when the tests run as root the cluster is created and
+started as the ``postgres`` user, in a directory that user owns under the test workdir. It
+listens on 127.0.0.1 on a free port (its unix socket stays in the workdir), trusts local
+connections, and keeps PostgreSQL's default durability (fsync on): the fault tests restart it
+and expect committed leases and fencing counters to survive.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tests.servers import (
+    ROWS,
+    SERVERS,
+    RunningServer,
+    ServerKind,
+    ServerUnavailable,
+    StoreRow,
+    ensure_binary,
+    free_port,
+    read_pidfile,
+    replace_scheme,
+    wait_port_open,
+    with_query,
+)
+
+PG_BIN = "/usr/lib/postgresql/15/bin"
+
+
+def _as_postgres() -> dict[str, Any]:
+    """subprocess arguments that run a command as ``postgres`` when we are root."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise ServerUnavailable("running as root and there is no postgres user") from None
+    return {"user": "postgres", "group": "postgres", "extra_groups": []}
+
+
+def _owned_dir(path: Path, as_postgres: dict[str, Any]) -> Path:
+    """Create ``path`` owned by the user the server runs as; let it traverse the parents."""
+    path.mkdir(parents=True, exist_ok=True)
+    if as_postgres:
+        entry = pwd.getpwnam("postgres")
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+        tmp = Path(tempfile.gettempdir()).resolve()
+        for parent in path.resolve().parents:  # mkdtemp made the test workdir 0700 root;
+            if parent == tmp or not parent.is_relative_to(tmp):  # touch nothing outside it
+                break
+            mode = parent.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                os.chmod(parent, mode | stat.S_IXOTH)
+    return path
+
+
+def _run(cmd: list[str], as_postgres: dict[str, Any], cwd: Path, what: str) -> None:
+    proc = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, check=False, timeout=120, **as_postgres
+    )
+    if proc.returncode != 0:
+        raise ServerUnavailable(f"{what} failed ({proc.returncode}): {proc.stderr[-800:]}")
+
+
+def start(workdir: Path) -> RunningServer:
+    """initdb a fresh cluster in ``workdir`` and start it on a free loopback port."""
+    initdb = ensure_binary("initdb", "postgresql", search=(f"{PG_BIN}/initdb",))
+    bindir = Path(initdb).parent
+    as_postgres = _as_postgres()
+    home = _owned_dir(workdir / "pg", as_postgres)
+    data, sockets = home / "data", _owned_dir(home / "run", as_postgres)
+    _run(
+        [initdb, "-D", str(data), "--auth=trust", "-U", "postgres", "-E", "UTF8",
+         "--locale=C.UTF-8", "--no-instructions"],
+        as_postgres, home, "initdb",
+    )
+    port = free_port()
+    options = " ".join([
+        f"-p {port}", f"-k {sockets}", "-c listen_addresses=127.0.0.1",
+        "-c max_connections=300", "-c shared_buffers=32MB",
+    ])
+    pg_ctl = [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
+              "-l", str(home / "server.log"), "-o", options]
+
+    def launch() -> int:
+        _run(pg_ctl, as_postgres, home, "pg_ctl start")
+        return read_pidfile(data / "postmaster.pid")
+
+    pid = launch()
+    wait_port_open(port)
+    return RunningServer(
+        url=f"postgresql://postgres@127.0.0.1:{port}/postgres",
+        pid=pid,
+        port=port,
+        workdir=workdir,
+        restart_cmd=launch,
+        stop_signal=signal.SIGINT,  # "fast" shutdown: sessions end, committed data stays
+        extra={"bindir": str(bindir), "data": str(data), "sockets": str(sockets)},
+    )
+
+
+SERVERS["postgresql"] = ServerKind("postgresql", start)
+
+ROWS.append(
+    StoreRow(
+        "postgresql",
+        "postgresql",
+        isolate=lambda base, tag, tmp: with_query(base, table=f"t_{tag}"),
+    )
+)
+ROWS.append(
+    StoreRow(
+        "postgresql+advisory",
+        "postgresql",
+        base_url=lambda url: replace_scheme(url, "postgresql+advisory"),
+        isolate=lambda base, tag, tmp: with_query(base, prefix=f"t_{tag}"),
+    )
+)
