@@ -15,7 +15,7 @@ from latchkey._durations import Duration, parse_duration
 from latchkey._lock import Lock, Semaphore
 from latchkey._owner import Owner
 from latchkey._record import Record
-from latchkey._store import DEFAULT_TTL, Health, Store, connect
+from latchkey._store import Health, Store, connect
 from latchkey._types import Holder, LockInfo
 from latchkey.errors import (
     ConfigError,
@@ -33,7 +33,6 @@ from latchkey.stores.base import Capabilities
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "DEFAULT_TTL",
     "Capabilities",
     "Claim",
     "ConfigError",

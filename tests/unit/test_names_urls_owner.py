@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import latchkey
+from latchkey import ConfigError, InvalidName
+from latchkey._names import validate_name
+from latchkey._owner import Owner, check_metadata, new_owner_token
+from latchkey._url import StoreURL, identifier, key_prefix, read_options
+
+
+def test_names() -> None:
+    assert validate_name("x" * 255) == "x" * 255
+    assert validate_name("nul\x00 ok") == "nul\x00 ok"
+    for bad in ["", "x" * 256, "é" * 128, "\udcff"]:
+        with pytest.raises(InvalidName):
+            validate_name(bad)
+    with pytest.raises(InvalidName, match="must be a str"):
+        validate_name(b"bytes")
+
+
+def test_url_parts_and_redaction() -> None:
+    url = StoreURL.parse("postgresql://app:p%40ss@db.example:5433/app?table=locks")
+    assert (url.username, url.password, url.host, url.port, url.path) == (
+        "app",
+        "p@ss",
+        "db.example",
+        5433,
+        "/app",
+    )
+    assert "p@ss" not in str(url) and "p%40ss" not in repr(url) and "***" in str(url)
+    assert url.scrub("auth failed for p@ss and p%40ss") == "auth failed for *** and ***"
+    multi = StoreURL.parse("memcached://a:1,b:2,[::1]:3")
+    assert multi.hosts == (("a", 1), ("b", 2), ("::1", 3))
+    assert StoreURL.parse("sqlite:////abs/x.db").path == "//abs/x.db"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["no-scheme", "://x", "9ab://x", "redis://h:99999", "redis://h:port", "sqlite:///x.db?a=1&a=2"],
+)
+def test_bad_urls(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        StoreURL.parse(bad)
+
+
+def test_bad_url_messages_mask_passwords() -> None:
+    with pytest.raises(ConfigError) as caught:
+        StoreURL.parse("redis://:hunter2@h:notaport")
+    assert "hunter2" not in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        latchkey.connect("nosuch://u:hunter2@h/")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_options() -> None:
+    from latchkey._url import Option
+
+    spec = {"table": Option(identifier, "latchkey_locks")}
+    url = StoreURL.parse("sqlite:///x.db?table=my_locks&timeout=2s")
+    assert read_options(url, spec) == {"table": "my_locks", "timeout": 2.0}
+    with pytest.raises(ConfigError, match="unknown URL option 'tabel'"):
+        read_options(StoreURL.parse("sqlite:///x.db?tabel=x"), spec)
+    for hostile in ["locks; DROP TABLE x", "a-b", "1abc", "x" * 64, ""]:
+        with pytest.raises(ConfigError, match="table"):
+            read_options(StoreURL.parse(f"sqlite:///x.db?table={hostile}"), spec)
+    assert key_prefix("app:locks.v1-") == "app:locks.v1-"
+    with pytest.raises(ValueError):
+        key_prefix("bad prefix")
+
+
+def test_owner_round_trip_and_tokens() -> None:
+    owner = Owner.current({"job": "nightly"})
+    again = Owner.from_json(owner.to_json())
+    assert again == owner and str(owner) == f"{owner.pid}@{owner.host}"
+    assert owner.started > 0
+    assert Owner.from_json("not json") == Owner() and str(Owner()) == "unknown"
+    tokens = {new_owner_token() for _ in range(1000)}
+    assert len(tokens) == 1000 and all(len(t) == 32 for t in tokens)
+    with pytest.raises(ConfigError, match="metadata"):
+        check_metadata({"x": object()})
+    assert json.loads(owner.to_json())["metadata"] == {"job": "nightly"}
+
+
+def test_public_surface() -> None:
+    assert latchkey.__all__ == sorted(latchkey.__all__)
+    for name in latchkey.__all__:
+        assert hasattr(latchkey, name)
+
+
+def test_errors_subclass_the_builtins() -> None:
+    e = latchkey.errors
+    assert issubclass(e.LockTimeout, TimeoutError)
+    assert issubclass(e.StoreUnavailable, ConnectionError)
+    assert issubclass(e.ConfigError, ValueError) and issubclass(e.InvalidName, ValueError)
+    assert issubclass(e.Unsupported, NotImplementedError)
+    for name in e.__all__:
+        assert issubclass(getattr(e, name), e.LatchkeyError)

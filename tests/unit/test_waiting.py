@@ -1,0 +1,101 @@
+"""The waiting loop with a fake clock: no store, no sleeping."""
+
+from __future__ import annotations
+
+import random
+
+from latchkey._types import Busy, Grant
+from latchkey._waiting import Backoff, wait_for
+from latchkey.stores.base import Waiter
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeWaiter(Waiter):
+    def __init__(self, clock: FakeClock, log: list[float]) -> None:
+        self.clock, self.log, self.closed = clock, log, False
+
+    def wait(self, timeout: float) -> bool:
+        self.log.append(timeout)
+        self.clock.now += timeout
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_backoff_grows_to_its_cap_with_jitter() -> None:
+    b = Backoff(initial=0.01, cap=0.08, rng=random.Random(1))
+    delays = [b.next() for _ in range(8)]
+    assert all(0.005 <= d <= 0.08 for d in delays)
+    assert delays[-1] >= 0.04  # reached the cap's half at least
+
+
+def test_try_once_does_not_subscribe() -> None:
+    subscribed: list[int] = []
+    result = wait_for(
+        lambda: Busy(1),
+        lambda: subscribed.append(1) or Waiter(),  # type: ignore[func-returns-value]
+        wait=0,
+        limit=1,
+        push=False,
+    )
+    assert isinstance(result, Busy) and subscribed == []
+
+
+def test_gives_up_at_the_deadline_and_never_sleeps_past_it() -> None:
+    clock, log = FakeClock(), []
+    waiter = FakeWaiter(clock, log)
+    result = wait_for(
+        lambda: Busy(1),
+        lambda: waiter,
+        wait=1.0,
+        limit=1,
+        push=False,
+        clock=clock,
+        rng=random.Random(0),
+    )
+    assert isinstance(result, Busy)
+    assert clock.now == 1.0 or abs(clock.now - 1.0) < 1e-9
+    assert max(log) <= 0.25 and waiter.closed
+
+
+def test_sleeps_no_longer_than_the_holders_remaining_lease() -> None:
+    clock, log = FakeClock(), []
+    answers = iter([Busy(1, None, 0.5), Busy(1, None, 0.003), Grant(7, None)])
+    result = wait_for(
+        lambda: next(answers),
+        lambda: FakeWaiter(clock, log),
+        wait=None,
+        limit=1,
+        push=True,
+        clock=clock,
+        rng=random.Random(0),
+    )
+    assert result == Grant(7, None)
+    assert log == [log[0]] and log[0] <= 0.004
+
+
+def test_a_lost_race_for_a_free_slot_retries_at_once() -> None:
+    clock, log = FakeClock(), []
+    answers = iter([Busy(3), Busy(2), Busy(2), Grant(1, None)])
+    result = wait_for(
+        lambda: next(answers),
+        lambda: FakeWaiter(clock, log),
+        wait=10,
+        limit=3,
+        push=False,
+        clock=clock,
+    )
+    assert result == Grant(1, None) and log == []
+
+
+def test_first_try_wins_without_waiting() -> None:
+    result = wait_for(lambda: Grant(1, None), lambda: Waiter(), wait=None, limit=1, push=False)
+    assert result == Grant(1, None)
