@@ -1,0 +1,466 @@
+"""``mysql://user:pass@host:3306/database``: leases in an InnoDB table (MySQL 8, MariaDB ≥ 10.6).
+
+Also registered as ``mariadb://``. The lease table is the SQL design SQLite and PostgreSQL
+share: one row per lease slot keyed by (name, slot), with the owner token, the owner's JSON,
+the fencing token and the server-clock times (``UTC_TIMESTAMP(6)``). Names are stored as their
+UTF-8 bytes (``VARBINARY(255)``, compared bytewise), so any character, NUL included,
+round-trips.
+
+Every primitive is one round trip, and acquire is one autocommitted statement: an
+``INSERT … ON DUPLICATE KEY UPDATE`` whose every assignment is conditional on the old lease
+having expired, followed (in the same multi-statement query) by a plain read of the name's
+live leases that tells whether we won and, if not, who holds it until when. The row's X lock
+makes concurrent takers of one slot queue; the second sees the first's live lease and changes
+nothing, so two owners never hold one slot whatever the isolation level (REPEATABLE READ, the
+server default, is fine). A deadlock or lock-wait timeout is reported as a lost race (``Busy``
+with fewer holders than the limit), so the core retries at once.
+
+Fencing tokens are the lease table's ``AUTO_INCREMENT`` column: the upsert draws a fresh value
+for every row it inserts and copies it (``VALUES(token)``) into every row it takes over, so a
+grant needs no second statement. InnoDB keeps that counter across DELETE, purge and restart on
+MySQL 8 and MariaDB ≥ 10.2.4 (older servers reset it to ``MAX(token) + 1`` at restart), values
+are never reused, and a grant's value is drawn while it waits for the row, after the previous
+holder's, so tokens increase per name (and across a semaphore's slots) in grant order.
+
+Options: ``?table=`` (default ``latchkey_locks``), ``?timeout=`` (connect/read/write, default
+5 s). The driver is PyMySQL (pure Python): see docs/stores/mysql.md for why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import pymysql
+from pymysql.constants import CLIENT
+
+from latchkey._owner import Owner
+from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._url import Option, StoreURL, identifier
+from latchkey.errors import ConfigError
+from latchkey.stores.base import Backend, Capabilities
+
+SCHEMA_VERSION = 1
+DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
+#: Errors a statement can hit under contention: it is rolled back; the connection is fine.
+CONTENTION = (DEADLOCK, LOCK_WAIT_TIMEOUT)
+DRIVER_ERRORS = (pymysql.err.MySQLError, OSError)
+
+# {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
+# make that safe when many processes start at once.
+CREATE = """
+CREATE TABLE IF NOT EXISTS {t} (
+    name        VARBINARY(255) NOT NULL,  -- the lock name's UTF-8 bytes
+    slot        INT            NOT NULL,  -- 0 for a mutex; 0..limit-1 for a semaphore
+    owner       CHAR(32)       NOT NULL,  -- the holder's secret owner token
+    owner_info  TEXT           NOT NULL,  -- JSON: host, pid, started, thread, metadata
+    token       BIGINT         NOT NULL AUTO_INCREMENT,  -- fencing token, never reused
+    acquired_at DATETIME(6)    NOT NULL,  -- UTC, server clock
+    expires_at  DATETIME(6)    NOT NULL,  -- UTC, server clock; <= now means free
+    PRIMARY KEY (name, slot),
+    KEY {t}_token (token),
+    KEY {t}_expires (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+CREATE TABLE IF NOT EXISTS {t}_meta (
+    k VARCHAR(32) NOT NULL PRIMARY KEY,   -- 'schema_version'
+    v BIGINT      NOT NULL
+) ENGINE=InnoDB;
+INSERT IGNORE INTO {t}_meta (k, v) VALUES ('schema_version', {version});
+CREATE TABLE IF NOT EXISTS {t}_records (
+    name    VARBINARY(255) NOT NULL PRIMARY KEY,
+    value   LONGTEXT       NOT NULL,      -- JSON
+    version BIGINT         NOT NULL       -- 1 after the first write, +1 per write
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+"""
+
+# Session settings at connect: the clock we read is UTC whatever the server's zone, and a
+# row-lock wait (only possible behind a stalled peer's statement) ends before our timeout.
+SESSION = "SET time_zone = '+00:00', innodb_lock_wait_timeout = %s"
+
+# The takeover clause of every upsert: on a duplicate key each column changes only if the old
+# lease has expired. expires_at is assigned last, so every test still sees the old value
+# (MySQL assigns left to right); the token becomes the value this INSERT drew from
+# AUTO_INCREMENT. A live lease is left untouched (affected rows 0).
+TAKE_EXPIRED = """
+    owner       = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(owner), owner),
+    owner_info  = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(owner_info), owner_info),
+    token       = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(token), token),
+    acquired_at = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(acquired_at), acquired_at),
+    expires_at  = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(expires_at), expires_at)"""
+
+# The live leases of a name, soonest-expiring first: whether each is ours, its holder, and
+# microseconds until it ends. In: owner, name. Read after the upsert, in the same round trip.
+LIVE_OF = """
+SELECT owner = %(owner)s, owner_info, token, acquired_at, expires_at,
+       TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at)
+  FROM {t} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6) ORDER BY expires_at"""
+
+# Mutex acquire: one statement. In: name, owner, info, ttl_us. Takes slot 0 if it is absent
+# or expired; then LIVE_OF tells whether we hold it (our token, expiry) or who does.
+ACQUIRE = f"""
+INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
+VALUES (%(name)s, 0, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
+        UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
+{LIVE_OF}"""
+
+# Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the
+# lowest free slot below the limit (an expired row, or a missing slot number); that is only
+# a hint: the upsert takes it only if it is still free, and when none was free it targets
+# slot 0, which changes nothing unless slot 0 has just expired (then it is free: fine).
+ACQUIRE_SLOT = f"""
+SET @lk_name = %(name)s;
+SET @lk_slot = IFNULL((
+    SELECT MIN(f.slot) FROM (
+        SELECT slot FROM {{t}}
+         WHERE name = @lk_name AND slot < %(limit)s AND expires_at <= UTC_TIMESTAMP(6)
+        UNION ALL
+        SELECT 0 FROM DUAL
+         WHERE NOT EXISTS (SELECT 1 FROM {{t}} WHERE name = @lk_name AND slot = 0)
+        UNION ALL
+        SELECT a.slot + 1 FROM {{t}} a
+         WHERE a.name = @lk_name AND a.slot + 1 < %(limit)s
+           AND NOT EXISTS (SELECT 1 FROM {{t}} b WHERE b.name = @lk_name AND b.slot = a.slot + 1)
+    ) AS f), 0);
+INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
+VALUES (@lk_name, @lk_slot, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
+        UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
+{LIVE_OF}"""
+
+# Batch claim: one multi-row upsert (atomic), then what we own. In (positional): owner, info,
+# ttl_us, the sorted names ({rows}: one placeholder row each; sorted so that concurrent claims
+# lock rows in one order), owner, the names again ({names}). Each taken row draws its own token.
+CLAIM = f"""
+SET @lk_own = %s, @lk_info = %s, @lk_ttl = %s;
+INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
+VALUES {{rows}}
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
+SELECT name, token, expires_at FROM {{t}}
+ WHERE owner = %s AND name IN ({{names}}) AND slot = 0 AND expires_at > UTC_TIMESTAMP(6)"""
+CLAIM_ROW = (
+    "(%s, 0, @lk_own, @lk_info, NULL, UTC_TIMESTAMP(6), "
+    "UTC_TIMESTAMP(6) + INTERVAL @lk_ttl MICROSECOND)"
+)
+
+# Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
+# An expired row of ours is left for the next taker or purge (it is already free).
+RELEASE = "DELETE FROM {t} WHERE name = %s AND owner = %s AND expires_at > UTC_TIMESTAMP(6)"
+# Ends our live leases on many names. In: owner, names. Rowcount: how many were live.
+RELEASE_MANY = (
+    "DELETE FROM {t} WHERE owner = %s AND name IN ({names}) AND expires_at > UTC_TIMESTAMP(6)"
+)
+# Moves our live lease's end, then reads it back. In: name, owner, ttl_us. No row: not live
+# (the read uses the same instant, so an expired lease is never reported extended).
+EXTEND = """
+SET @lk_now = UTC_TIMESTAMP(6);
+UPDATE {t} SET expires_at = @lk_now + INTERVAL %(ttl_us)s MICROSECOND
+ WHERE name = %(name)s AND owner = %(owner)s AND expires_at > @lk_now;
+SELECT token, expires_at FROM {t}
+ WHERE name = %(name)s AND owner = %(owner)s AND expires_at > @lk_now"""
+# Live holders of a name, oldest first. In: name.
+INSPECT = (
+    "SELECT name, owner_info, token, acquired_at, expires_at FROM {t} "
+    "WHERE name = %s AND expires_at > UTC_TIMESTAMP(6) ORDER BY acquired_at, token"
+)
+# Live holders of every name with a byte prefix, by name. In: LIKE pattern ('!' escapes).
+LIST = (
+    "SELECT name, owner_info, token, acquired_at, expires_at FROM {t} "
+    "WHERE name LIKE %s ESCAPE '!' AND expires_at > UTC_TIMESTAMP(6) "
+    "ORDER BY name, acquired_at, token"
+)
+# Drops every live lease on a name (expired rows are already free). Rowcount: how many.
+FORCE_RELEASE = "DELETE FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)"
+# Deletes expired rows; the token counter (AUTO_INCREMENT) is not touched by deletes.
+PURGE = "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(6)"
+RECORD_GET = "SELECT value, version FROM {t}_records WHERE name = %s"
+# version 0: create only if absent (a duplicate key means someone created it first).
+RECORD_INSERT = "INSERT INTO {t}_records (name, value, version) VALUES (%s, %s, 1)"
+# Compare-and-set: writes only if the version is still the one read. In: value, name, version.
+RECORD_UPDATE = (
+    "UPDATE {t}_records SET value = %s, version = version + 1 WHERE name = %s AND version = %s"
+)
+RECORD_DELETE = "DELETE FROM {t}_records WHERE name = %s AND version = %s"
+SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
+
+
+def connect_args(backend: Backend) -> dict[str, Any]:
+    """PyMySQL connect() arguments for a store URL (shared with the GET_LOCK store)."""
+    url = backend.url
+    if len(url.hosts) > 1:
+        raise ConfigError(f"{url.scheme} store: one host only, got {len(url.hosts)}")
+    database = url.path.lstrip("/")
+    if not database or "/" in database:
+        raise ConfigError(
+            f"{url.scheme} store URL {url.redacted()!r} names no database "
+            f"({url.scheme}://user:password@host:3306/database)"
+        )
+    return {
+        "host": url.host or "localhost",
+        "port": url.port or 3306,
+        "user": url.username or "root",
+        "password": url.password or "",
+        "database": database,
+        "charset": "utf8mb4",
+        "autocommit": True,
+        "connect_timeout": backend.timeout,
+        "read_timeout": backend.timeout,
+        "write_timeout": backend.timeout,
+    }
+
+
+def utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=timezone.utc)
+
+
+def _holder(row: Sequence[Any]) -> Holder:
+    """(…, owner_info, token, acquired_at, expires_at) → Holder."""
+    return Holder(int(row[2]), Owner.from_json(row[1]), utc(row[3]), utc(row[4]))
+
+
+class MySQLBackend(Backend):
+    scheme = "mysql"
+    capabilities = Capabilities()
+    options = {"table": Option(identifier, "latchkey_locks", "lease table name")}
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.table: str = self.config["table"]
+        self._connect_args = connect_args(self)
+        self._sql = {key: sql.replace("{t}", self.table) for key, sql in _STATEMENTS.items()}
+        self._conn: Any | None = None
+        self._pid = 0
+        self._mutex = threading.Lock()
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _connection(self) -> Any:
+        """The open connection; a new one after a failure or a fork (tables created on it)."""
+        if self._conn is not None and self._pid == os.getpid():
+            return self._conn
+        self._conn = None  # after fork: the parent's socket is not ours to use or close
+        conn = pymysql.connect(
+            **self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS
+        )
+        try:
+            with conn.cursor() as cur:
+                cur.execute(SESSION, (max(1, math.floor(self.timeout / 2)),))
+                _drain(cur, CREATE.format(t=self.table, version=SCHEMA_VERSION))
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._pid = conn, os.getpid()
+        return conn
+
+    def _drop(self) -> None:
+        """Forget a connection that failed: the next call opens a new one."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+    def _call(
+        self, action: str, key: str, params: Any = None, **splice: str
+    ) -> tuple[list[tuple[Any, ...]], int]:
+        """Run one (possibly multi-statement) query; return the last result set's rows and the
+        last statement's row count. Any driver error drops the connection → StoreUnavailable."""
+        sql = self._sql[key].format(**splice) if splice else self._sql[key]
+        with self._mutex:
+            try:
+                with self._connection().cursor() as cur:
+                    return _drain(cur, sql, params)
+            except DRIVER_ERRORS as exc:
+                self._drop()
+                self.unavailable(exc, action)
+
+    def _contended(
+        self, action: str, key: str, params: Any, **splice: str
+    ) -> list[tuple[Any, ...]] | None:
+        """Like _call, returning the last result set; None if a statement lost a deadlock or
+        timed out waiting for a row lock (it was rolled back; the connection is kept)."""
+        sql = self._sql[key].format(**splice) if splice else self._sql[key]
+        with self._mutex:
+            try:
+                conn = self._connection()
+                with conn.cursor() as cur:
+                    try:
+                        return _drain(cur, sql, params)[0]
+                    except pymysql.err.OperationalError as exc:
+                        if exc.args[0] not in CONTENTION:
+                            raise
+                        return None
+            except DRIVER_ERRORS as exc:
+                self._drop()
+                self.unavailable(exc, action)
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        params = {
+            "name": name.encode(), "owner": owner, "info": owner_info,
+            "ttl_us": _us(ttl), "limit": limit,
+        }
+        rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
+        if rows is None:
+            return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
+        for row in rows:
+            if row[0]:
+                return Grant(int(row[2]), utc(row[4]))
+        if not rows:
+            return Busy(0)  # the lease we found live ended before we read it: retry
+        soonest = rows[0]
+        return Busy(len(rows), _holder(soonest), max(0.0, soonest[5] / 1e6))
+
+    def release(self, name: str, owner: str) -> bool:
+        return self._call("release", "release", (name.encode(), owner))[1] > 0
+
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        params = {"name": name.encode(), "owner": owner, "ttl_us": _us(ttl)}
+        rows = self._call("extend", "extend", params)[0]
+        return Grant(int(rows[0][0]), utc(rows[0][1])) if rows else None
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        if not names:
+            return {}
+        keys = sorted(name.encode() for name in names)
+        rows = self._contended(
+            "claim", "claim", (owner, owner_info, _us(ttl), *keys, owner, *keys),
+            rows=", ".join([CLAIM_ROW] * len(keys)), names=", ".join(["%s"] * len(keys)),
+        )
+        if rows is None:
+            return {}  # lost a deadlock to another claim: every name was contended just now
+        return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        if not names:
+            return 0
+        keys = [name.encode() for name in names]
+        marks = ", ".join(["%s"] * len(keys))
+        return self._call("release", "release_many", (owner, *keys), names=marks)[1]
+
+    def inspect(self, name: str) -> LockInfo | None:
+        rows = self._call("inspect", "inspect", (name.encode(),))[0]
+        return LockInfo(name, tuple(_holder(r) for r in rows)) if rows else None
+
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        pattern = _like_prefix(prefix.encode())
+        rows = self._call("list", "list", (pattern,))[0]
+        yield from _group(rows)
+
+    def force_release(self, name: str) -> bool:
+        return self._call("force release", "force_release", (name.encode(),))[1] > 0
+
+    def purge_expired(self) -> int:
+        return self._call("purge", "purge")[1]
+
+    # -- records -----------------------------------------------------------------------------
+
+    def record_get(self, name: str) -> tuple[str | None, int]:
+        rows = self._call("record read", "record_get", (name.encode(),))[0]
+        return (rows[0][0], int(rows[0][1])) if rows else (None, 0)
+
+    def record_set(self, name: str, value: str, version: int) -> int | None:
+        if version == 0:
+            with self._mutex:
+                try:
+                    with self._connection().cursor() as cur:
+                        cur.execute(self._sql["record_insert"], (name.encode(), value))
+                    return 1
+                except pymysql.err.IntegrityError as exc:
+                    if exc.args[0] == DUPLICATE_KEY:
+                        return None
+                    self._drop()
+                    self.unavailable(exc, "record write")
+                except DRIVER_ERRORS as exc:
+                    self._drop()
+                    self.unavailable(exc, "record write")
+        count = self._call("record write", "record_update", (value, name.encode(), version))[1]
+        return version + 1 if count == 1 else None
+
+    def record_delete(self, name: str, version: int) -> bool:
+        return self._call("record delete", "record_delete", (name.encode(), version))[1] == 1
+
+    # -- health and lifecycle ----------------------------------------------------------------
+
+    def now(self) -> datetime:
+        return utc(self._call("clock read", "now")[0][0][0])
+
+    def init(self) -> None:
+        with self._mutex:
+            try:
+                self._connection()
+            except DRIVER_ERRORS as exc:
+                self._drop()
+                self.unavailable(exc, "connect")
+
+    def close(self) -> None:
+        with self._mutex:
+            self._drop()
+
+
+_STATEMENTS: Mapping[str, str] = {
+    "acquire": ACQUIRE,
+    "acquire_slot": ACQUIRE_SLOT,
+    "claim": CLAIM,
+    "release": RELEASE,
+    "release_many": RELEASE_MANY,
+    "extend": EXTEND,
+    "inspect": INSPECT,
+    "list": LIST,
+    "force_release": FORCE_RELEASE,
+    "purge": PURGE,
+    "record_get": RECORD_GET,
+    "record_insert": RECORD_INSERT,
+    "record_update": RECORD_UPDATE,
+    "record_delete": RECORD_DELETE,
+    "now": SELECT_NOW,
+}
+
+
+def _drain(cur: Any, sql: str, params: Any = None) -> tuple[list[tuple[Any, ...]], int]:
+    """Execute ``sql`` and read every result; return the last result set and row count."""
+    cur.execute(sql, params)
+    rows: list[tuple[Any, ...]] = []
+    count = cur.rowcount
+    while True:
+        if cur.description:
+            rows = list(cur.fetchall())
+        else:
+            count = cur.rowcount
+        if not cur.nextset():
+            return rows, count
+
+
+def _us(seconds: float) -> int:
+    return max(1, round(seconds * 1_000_000))
+
+
+def _like_prefix(prefix: bytes) -> bytes:
+    """A LIKE pattern matching names that start with ``prefix`` ('!' is the escape)."""
+    for special in (b"!", b"%", b"_"):
+        prefix = prefix.replace(special, b"!" + special)
+    return prefix + b"%"
+
+
+def _group(rows: Sequence[Sequence[Any]]) -> Iterator[LockInfo]:
+    """Rows ordered by name → one LockInfo per name."""
+    current: bytes | None = None
+    holders: list[Holder] = []
+    for row in rows:
+        key = bytes(row[0])
+        if key != current and current is not None:
+            yield LockInfo(current.decode(), tuple(holders))
+            holders = []
+        current = key
+        holders.append(_holder(row))
+    if current is not None:
+        yield LockInfo(current.decode(), tuple(holders))
