@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import selectors
 import threading
 import weakref
@@ -325,6 +326,11 @@ def _after_fork_in_child() -> None:
         backend._forget_after_fork()
 
 
+def forget_in_forked_child(backend: Any) -> None:
+    """Call ``backend._forget_after_fork()`` in a child process right after a fork."""
+    _AT_FORK.add(backend)
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
@@ -425,6 +431,15 @@ class Listener:
         self._waiters = {}
 
 
+def _input_waiting(fd: int) -> bool:
+    """Whether ``fd`` has something to read (or hung up), without blocking."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # Windows: no poll()
+
+
 class Session:
     """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
 
@@ -441,18 +456,39 @@ class Session:
         return psycopg.connect(autocommit=True, **self.params)
 
     def connection(self) -> psycopg.Connection[Any]:
-        """The shared connection; call with :attr:`lock` held."""
-        if self._pid != os.getpid():
-            self.forget_after_fork()
-        if self.conn is None or self.conn.closed:
+        """The shared connection, opened if needed; call with :attr:`lock` held."""
+        if not self.alive():
             self.conn = self.open()
             self.generation += 1
+        assert self.conn is not None
         return self.conn
+
+    def alive(self) -> bool:
+        """Whether the shared connection is usable, without a round trip (call under lock).
+
+        An idle connection has nothing to read unless the server ended it (terminated the
+        session, shut down, restarted): such a connection is dropped here, so the next
+        statement goes to a new session instead of failing on the dead one.
+        """
+        if self._pid != os.getpid():
+            self.forget_after_fork()
+        conn = self.conn
+        if conn is None or conn.closed:
+            return False
+        if _input_waiting(conn.pgconn.socket):
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.pgconn.consume_input()
+            if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+                self.broken()
+                return False
+        return True
 
     def broken(self) -> bool:
         """After an error: drop the connection if it is no longer usable (call under lock)."""
         conn = self.conn
-        if conn is not None and (conn.closed or conn.broken):
+        if conn is not None and (
+            conn.closed or conn.broken or conn.pgconn.status != psycopg.pq.ConnStatus.OK
+        ):
             self.conn = None
             with contextlib.suppress(*DRIVER_ERRORS):
                 conn.close()
@@ -502,7 +538,7 @@ class PostgreSQLBackend(Backend):
         self._session = Session(connection_params(url, self.config, "latchkey"))
         self._listener = Listener(self._session.open, self.channel)
         self._sql: dict[str, bytes] = {}
-        _AT_FORK.add(self)
+        forget_in_forked_child(self)
 
     # -- plumbing ------------------------------------------------------------------------------
 
