@@ -140,7 +140,8 @@ def test_scripts_never_touch_another_owners_lease(backend: RedisBackend) -> None
     lease_key = backend._keys("n")[0]
     grant = backend.acquire("n", "a" * 32, INFO, 30)
     assert isinstance(grant, Grant)
-    score = backend.client.zscore(lease_key, "a" * 32)
+    value = backend.client.get(lease_key)
+    assert value is not None and value.startswith("a" * 32 + ":")
     assert backend.release("n", "b" * 32) is False
     assert backend.extend("n", "b" * 32, 600) is None
     assert backend.release_many(["n"], "b" * 32) == 0
@@ -148,7 +149,8 @@ def test_scripts_never_touch_another_owners_lease(backend: RedisBackend) -> None
     assert isinstance(busy, Busy) and busy.holders == 1
     assert busy.holder is not None and busy.holder.token == grant.token
     assert busy.retry_after is not None and 29 < busy.retry_after <= 30
-    assert backend.client.zscore(lease_key, "a" * 32) == score  # untouched
+    assert backend.client.get(lease_key) == value  # untouched
+    assert 29_000 < backend.client.pttl(lease_key) <= 30_000
     assert backend.release("n", "a" * 32) is True
 
 
@@ -167,16 +169,42 @@ def test_semaphore_slots_are_per_owner(backend: RedisBackend) -> None:
     assert isinstance(backend.acquire("sem", owners[3], INFO, 30, limit=3), Grant)
 
 
-def test_leases_expire_by_the_servers_clock_and_the_fence_stays(backend: RedisBackend) -> None:
-    lease_key, owner_key, fence_key = backend._keys("n")
-    backend.acquire("n", "a" * 32, INFO, 0.3)
-    assert 0 < backend.client.pttl(lease_key) <= 300
-    assert 0 < backend.client.pttl(owner_key) <= 300
-    assert backend.client.pttl(fence_key) == -1  # never expires
-    eventually(lambda: backend.client.exists(lease_key, owner_key) == 0, what="keys expired")
+@pytest.mark.parametrize("limit", [1, 3])
+def test_leases_expire_by_the_servers_clock_and_the_fence_stays(
+    backend: RedisBackend, limit: int
+) -> None:
+    lease, leases, owners, fence = backend._keys("n")
+    backend.acquire("n", "a" * 32, INFO, 0.3, limit=limit)
+    keys = [lease] if limit == 1 else [leases, owners]
+    assert all(0 < backend.client.pttl(k) <= 300 for k in keys)
+    assert backend.client.pttl(fence) == -1  # never expires
+    eventually(lambda: backend.client.exists(lease, leases, owners) == 0, what="keys expired")
     assert backend.purge_expired() == 0  # nothing left behind to purge
-    grant = backend.acquire("n", "b" * 32, INFO, 30)
+    grant = backend.acquire("n", "b" * 32, INFO, 30, limit=limit)
     assert isinstance(grant, Grant) and grant.token == 2
+
+
+def test_mutex_and_semaphore_holders_of_one_name_count_together(backend: RedisBackend) -> None:
+    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30, limit=1), Grant)
+    assert isinstance(backend.acquire("n", "b" * 32, INFO, 20, limit=2), Grant)
+    busy = backend.acquire("n", "c" * 32, INFO, 30, limit=2)
+    assert isinstance(busy, Busy) and busy.holders == 2
+    assert busy.retry_after is not None and 19 < busy.retry_after <= 20  # the soonest to end
+    assert isinstance(backend.acquire("n", "d" * 32, INFO, 30, limit=1), Busy)
+    info = backend.inspect("n")
+    assert info is not None and [h.token for h in info.holders] == [1, 2]
+    assert backend.release("n", "a" * 32) and backend.release("n", "b" * 32)
+    assert backend.inspect("n") is None
+    assert isinstance(backend.acquire("n", "d" * 32, INFO, 30, limit=1), Grant)
+
+
+def test_retried_acquire_by_the_same_owner_keeps_its_token(backend: RedisBackend) -> None:
+    for limit in (1, 2):
+        first = backend.acquire(f"n{limit}", "a" * 32, INFO, 5, limit=limit)
+        again = backend.acquire(f"n{limit}", "a" * 32, INFO, 30, limit=limit)
+        assert isinstance(first, Grant) and isinstance(again, Grant)
+        assert again.token == first.token and again.expires_at > first.expires_at  # type: ignore[operator]
+        assert len(backend.inspect(f"n{limit}").holders) == 1  # type: ignore[union-attr]
 
 
 def test_purge_counts_expired_semaphore_entries(backend: RedisBackend) -> None:
@@ -184,7 +212,7 @@ def test_purge_counts_expired_semaphore_entries(backend: RedisBackend) -> None:
     backend.acquire("sem", "b" * 32, INFO, 60, limit=2)
     eventually(lambda: len(backend.inspect("sem").holders) == 1, what="one expired")  # type: ignore[union-attr]
     assert backend.purge_expired() == 1
-    assert backend.client.zcard(backend._keys("sem")[0]) == 1
+    assert backend.client.zcard(backend._keys("sem")[1]) == 1
 
 
 def test_acquire_and_release_are_one_evalsha_each(backend: RedisBackend) -> None:

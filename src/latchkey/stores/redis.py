@@ -3,21 +3,22 @@
 Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` ``P``
 (default ``latchkey:``)::
 
-    P{H}:lease   sorted set  owner token -> lease expiry (ms, server clock); also the
-                             pub/sub channel on which releases are announced
-    P{H}:owner   hash        owner token -> "<fencing token>:<acquired ms>:<owner_info JSON>"
+    P{H}:lease   string      the mutex holder: "owner:token:acquired ms:owner_info", PX ttl;
+                             also the pub/sub channel on which every release is announced
+    P{H}:leases  sorted set  semaphore holders: owner token -> expiry (ms, server clock)
+    P{H}:owners  hash        semaphore holders: owner token -> "token:acquired ms:owner_info"
     P{H}:fence   string      INCR counter of fencing tokens; never expires, never deleted
     P{H}:record  hash        {value, version} of the versioned record ``name``
 
 ``{H}`` is a Redis Cluster hash tag: every key of one name lives in one slot, and hex keeps
-any name (``{``, ``}``, NUL, binary) safe and prefix-preserving, so ``list(prefix)`` is a
-``SCAN MATCH P{hex(prefix)*}:lease``. A mutex is a semaphore of limit 1. The lease and owner
-keys expire (PEXPIREAT) with their longest-lived holder, so a crashed holder leaves nothing
-behind; the fence counter stays, so tokens keep increasing while the server keeps its data.
+any name (``{``, ``}``, NUL, any character) safe and prefix-preserving, so ``list(prefix)`` is
+``SCAN MATCH P{hex(prefix)*}:lease*``. Lease keys expire by themselves (PX / PEXPIREAT), so a
+crashed holder leaves nothing behind; the fence counter stays, so tokens keep increasing while
+the server keeps its data.
 
-Time is the server's: every script reads ``TIME`` (allowed in Redis >= 5 with effects
-replication, the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release
-script; one pub/sub connection per backend serves all waiters (see :class:`_Listener`).
+Time is the server's: scripts read ``TIME`` (allowed in Redis >= 5 with effects replication,
+the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release script; one
+pub/sub connection per backend serves all its waiters (see :class:`_Listener`).
 """
 
 from __future__ import annotations
@@ -40,146 +41,183 @@ from latchkey.errors import ConfigError
 from latchkey.stores.base import Backend, Capabilities, Waiter
 
 # -- Lua ---------------------------------------------------------------------------------------
-# Shared helpers, prepended to the scripts that need them. Scores and expiries are integer
-# milliseconds of the server clock; a holder whose expiry is <= now is gone.
+# Two shapes of lease share a name. A mutex holder (limit 1, the common case) is one string key
+# with PX, as cheap as a raw SET NX PX lock. Semaphore holders (limit > 1) are members of a
+# sorted set scored by expiry, with their details in a hash. Both count as holders of the name
+# for every acquire, so mixing limits on one name never over-grants. Invariants:
+# - the `lease` string exists  <=>  a live mutex holder ("owner:token:acquired ms:owner_info");
+# - the `leases` zset and `owners` hash have the same members, and both expire (PEXPIREAT) with
+#   their last member, so the zset exists  <=>  it has a live member;
+# - tokens come only from INCR on `fence`, which never expires and is never deleted.
+# Times are integer milliseconds of the server clock (TIME); a holder whose expiry <= now is gone.
 _LUA_HELPERS = """
 if redis.replicate_commands then redis.replicate_commands() end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function drop_expired(lease, owners, now)
-  local gone = redis.call('ZRANGEBYSCORE', lease, '-inf', now)
+local function mutex_holder(lease)
+  local v = redis.call('GET', lease)
+  if not v then return nil, nil end
+  local sep = string.find(v, ':', 1, true)
+  return string.sub(v, 1, sep - 1), string.sub(v, sep + 1)
+end
+local function token_of(rec) return tonumber(string.match(rec, '^(%d+):')) end
+local function drop_expired(leases, owners, now)
+  local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for i = 1, #gone do redis.call('HDEL', owners, gone[i]) end
-  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', lease, '-inf', now) end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', leases, '-inf', now) end
   return #gone
 end
-local function keep_until_last(lease, owners)
-  local last = redis.call('ZRANGE', lease, -1, -1, 'WITHSCORES')
+local function keep_until_last(leases, owners)
+  local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
   if last[2] then
-    redis.call('PEXPIREAT', lease, last[2])
+    redis.call('PEXPIREAT', leases, last[2])
     redis.call('PEXPIREAT', owners, last[2])
   end
 end
-local function take(lease, owners, fence, owner, info, now, ttl, limit)
-  drop_expired(lease, owners, now)
-  local expires = now + ttl
-  local mine = redis.call('HGET', owners, owner)
-  if mine then
-    redis.call('ZADD', lease, expires, owner)
-    keep_until_last(lease, owners)
-    return {1, tonumber(string.match(mine, '^(%d+):')), expires}
-  end
-  local live = redis.call('ZCARD', lease)
-  if live >= limit then
-    local first = redis.call('ZRANGE', lease, 0, 0, 'WITHSCORES')
-    local rec = redis.call('HGET', owners, first[1]) or ''
-    return {0, live, rec, tonumber(first[2]), now}
-  end
-  local token = redis.call('INCR', fence)
-  redis.call('ZADD', lease, expires, owner)
-  redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
-  keep_until_last(lease, owners)
-  return {1, token, expires}
-end
-local function holders(lease, owners, now)
+local function holders(lease, leases, owners, now)
   local out = {}
-  local live = redis.call('ZRANGEBYSCORE', lease, '(' .. now, '+inf', 'WITHSCORES')
+  local _, rec = mutex_holder(lease)
+  if rec then
+    out[1] = rec
+    out[2] = now + redis.call('PTTL', lease)
+  end
+  local live = redis.call('ZRANGEBYSCORE', leases, '(' .. now, '+inf', 'WITHSCORES')
   for i = 1, #live, 2 do
     out[#out + 1] = redis.call('HGET', owners, live[i]) or ''
     out[#out + 1] = live[i + 1]
   end
   return out
 end
+local function busy(lease, leases, owners, now)
+  local h = holders(lease, leases, owners, now)
+  local best = 1
+  for i = 3, #h, 2 do
+    if tonumber(h[i + 1]) < tonumber(h[best + 1]) then best = i end
+  end
+  return {0, #h / 2, h[best], tonumber(h[best + 1]), now}
+end
+local function take(lease, leases, owners, fence, owner, info, now, ttl, limit)
+  local holder, rec = mutex_holder(lease)
+  if holder == owner then
+    redis.call('PEXPIRE', lease, ttl)
+    return {1, token_of(rec), now + ttl}
+  end
+  if limit == 1 then
+    if holder or redis.call('EXISTS', leases) == 1 then
+      return busy(lease, leases, owners, now)
+    end
+    local token = redis.call('INCR', fence)
+    redis.call('SET', lease, owner .. ':' .. token .. ':' .. now .. ':' .. info, 'PX', ttl)
+    return {1, token, now + ttl}
+  end
+  drop_expired(leases, owners, now)
+  local expires = now + ttl
+  local mine = redis.call('HGET', owners, owner)
+  if mine then
+    redis.call('ZADD', leases, expires, owner)
+    keep_until_last(leases, owners)
+    return {1, token_of(mine), expires}
+  end
+  local live = redis.call('ZCARD', leases) + (holder and 1 or 0)
+  if live >= limit then return busy(lease, leases, owners, now) end
+  local token = redis.call('INCR', fence)
+  redis.call('ZADD', leases, expires, owner)
+  redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
+  keep_until_last(leases, owners)
+  return {1, token, expires}
+end
+local function release(lease, leases, owners, owner, now)
+  if mutex_holder(lease) == owner then
+    redis.call('DEL', lease)
+    redis.call('PUBLISH', lease, '1')
+    return 1
+  end
+  local expires = redis.call('ZSCORE', leases, owner)
+  if not expires then return 0 end
+  redis.call('ZREM', leases, owner)
+  redis.call('HDEL', owners, owner)
+  keep_until_last(leases, owners)
+  if tonumber(expires) <= now then return 0 end
+  redis.call('PUBLISH', lease, '1')
+  return 1
+end
 """
 
 # Take a slot of one name. A retried acquire by the same owner renews its own lease.
-# KEYS: lease zset, owner hash, fence counter.  ARGV: owner, owner_info, ttl ms, limit.
+# KEYS: lease string, leases zset, owners hash, fence counter.
+# ARGV: owner, owner_info, ttl ms, limit.
 # Returns {1, token, expires ms} or, when `limit` live holders exist,
 #         {0, live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
-# Keeps: at most `limit` live members; tokens come only from INCR on the fence key.
 ACQUIRE = _LUA_HELPERS + """
-return take(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], now_ms(),
+return take(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], now_ms(),
             tonumber(ARGV[3]), tonumber(ARGV[4]))
 """
 
 # Take every free name of a batch (limit 1 each) with one expiry for all.
-# KEYS: lease, owner, fence of name 1, then of name 2, ...  ARGV: owner, owner_info, ttl ms.
-# Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
+# KEYS: lease, leases, owners, fence of name 1, then of name 2, ...
+# ARGV: owner, owner_info, ttl ms.  Returns {expires ms, token or 0 (busy) per name}.
 CLAIM = _LUA_HELPERS + """
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 local out = {now + ttl}
-for i = 1, #KEYS, 3 do
-  local r = take(KEYS[i], KEYS[i + 1], KEYS[i + 2], ARGV[1], ARGV[2], now, ttl, 1)
+for i = 1, #KEYS, 4 do
+  local r = take(KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], ARGV[1], ARGV[2], now, ttl, 1)
   out[#out + 1] = r[1] == 1 and r[2] or 0
 end
 return out
 """
 
-# End the owner's lease on one name and announce it on the lease key's channel.
-# KEYS: lease zset, owner hash.  ARGV: owner.
-# Returns 1 if the owner's lease was live, else 0 (an expired entry is removed silently).
-# Keeps: never touches another owner's entry.
+# End the owner's lease on a name and announce it on the channel named like the lease key.
+# KEYS: lease, leases, owners.  ARGV: owner.
+# Returns 1 if the owner's lease was live, else 0. Never touches another owner's lease.
 RELEASE = _LUA_HELPERS + """
-local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not expires then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-if tonumber(expires) > now_ms() then
-  redis.call('PUBLISH', KEYS[1], '1')
-  return 1
-end
-return 0
+return release(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms())
 """
 
-# RELEASE for many names. KEYS: lease, owner of name 1, then name 2, ...  ARGV: owner.
-# Returns how many of the owner's leases were live.
+# RELEASE for many names. KEYS: lease, leases, owners of name 1, then name 2, ...
+# ARGV: owner.  Returns how many of the owner's leases were live.
 RELEASE_MANY = _LUA_HELPERS + """
 local now = now_ms()
 local count = 0
-for i = 1, #KEYS, 2 do
-  local expires = redis.call('ZSCORE', KEYS[i], ARGV[1])
-  if expires then
-    redis.call('ZREM', KEYS[i], ARGV[1])
-    redis.call('HDEL', KEYS[i + 1], ARGV[1])
-    if tonumber(expires) > now then
-      redis.call('PUBLISH', KEYS[i], '1')
-      count = count + 1
-    end
-  end
-end
+for i = 1, #KEYS, 3 do count = count + release(KEYS[i], KEYS[i + 1], KEYS[i + 2], ARGV[1], now) end
 return count
 """
 
 # Move the owner's live lease to end ttl from now; the token is unchanged.
-# KEYS: lease zset, owner hash.  ARGV: owner, ttl ms.
+# KEYS: lease, leases, owners.  ARGV: owner, ttl ms.
 # Returns {token, expires ms}, or nil if the owner holds no live lease.
 EXTEND = _LUA_HELPERS + """
 local now = now_ms()
-local expires = redis.call('ZSCORE', KEYS[1], ARGV[1])
-local rec = redis.call('HGET', KEYS[2], ARGV[1])
+local ttl = tonumber(ARGV[2])
+local holder, rec = mutex_holder(KEYS[1])
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  return {token_of(rec), now + ttl}
+end
+local expires = redis.call('ZSCORE', KEYS[2], ARGV[1])
+rec = redis.call('HGET', KEYS[3], ARGV[1])
 if not expires or not rec or tonumber(expires) <= now then return nil end
-expires = now + tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], expires, ARGV[1])
-keep_until_last(KEYS[1], KEYS[2])
-return {tonumber(string.match(rec, '^(%d+):')), expires}
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+keep_until_last(KEYS[2], KEYS[3])
+return {token_of(rec), now + ttl}
 """
 
-# Live holders of names, read-only. KEYS: lease, owner of name 1, then name 2, ...
-# Returns {now ms, {rec, expires, rec, expires, ...} per name}.
+# Live holders of names, read-only. KEYS: lease, leases, owners of name 1, then name 2, ...
+# Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}; owner tokens stay inside.
 INSPECT = _LUA_HELPERS + """
 local now = now_ms()
 local out = {now}
-for i = 1, #KEYS, 2 do out[#out + 1] = holders(KEYS[i], KEYS[i + 1], now) end
+for i = 1, #KEYS, 3 do out[#out + 1] = holders(KEYS[i], KEYS[i + 1], KEYS[i + 2], now) end
 return out
 """
 
 # Drop every lease on one name, whoever holds it; the fence counter stays.
-# KEYS: lease zset, owner hash.  Returns 1 if a live lease was dropped, else 0.
+# KEYS: lease, leases, owners.  Returns 1 if a live lease was dropped, else 0.
 FORCE_RELEASE = _LUA_HELPERS + """
-local live = redis.call('ZCOUNT', KEYS[1], '(' .. now_ms(), '+inf')
-redis.call('DEL', KEYS[1], KEYS[2])
+local live = redis.call('EXISTS', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 if live > 0 then
   redis.call('PUBLISH', KEYS[1], '1')
   return 1
@@ -187,8 +225,9 @@ end
 return 0
 """
 
-# Remove expired holders (keys whose holders all expired are already gone by PEXPIREAT).
-# KEYS: lease, owner of name 1, then name 2, ...  Returns how many entries were removed.
+# Remove expired semaphore holders that live ones keep in the zset (mutex leases and zsets
+# whose holders all expired are already gone by PX / PEXPIREAT).
+# KEYS: leases, owners of name 1, then name 2, ...  Returns how many entries were removed.
 PURGE = _LUA_HELPERS + """
 local now = now_ms()
 local count = 0
@@ -307,22 +346,25 @@ class RedisBackend(Backend):
         return f"{self.prefix}{{{name.encode('utf-8').hex()}}}"
 
     def _keys(self, name: str) -> list[str]:
-        """The lease zset, owner hash and fence counter of ``name`` (one cluster slot)."""
+        """The lease string, leases zset, owners hash and fence counter of ``name``, all in
+        one cluster slot."""
         base = self._base(name)
-        return [f"{base}:lease", f"{base}:owner", f"{base}:fence"]
+        return [f"{base}:lease", f"{base}:leases", f"{base}:owners", f"{base}:fence"]
 
-    def _name_of(self, lease_key: str) -> str | None:
-        """The name behind a lease key found by SCAN, or None for a foreign key."""
-        inner = lease_key[len(self.prefix) :]
-        if not (inner.startswith("{") and inner.endswith("}:lease")):
+    def _name_of(self, key: str) -> str | None:
+        """The name behind a ``lease``/``leases`` key found by SCAN; None for a foreign key."""
+        inner = key[len(self.prefix) :]
+        hex_name, sep, kind = inner[1:].partition("}:")
+        if not (inner.startswith("{") and sep and kind in ("lease", "leases")):
             return None
         try:
-            return bytes.fromhex(inner[1:-7]).decode("utf-8")
+            return bytes.fromhex(hex_name).decode("utf-8")
         except ValueError:
             return None
 
     def _scan_names(self, prefix: str) -> list[str]:
-        pattern = f"{self.prefix}{{{prefix.encode('utf-8').hex()}*}}:lease"
+        """Names with a lease key, in name order (hex is prefix- and order-preserving)."""
+        pattern = f"{self.prefix}{{{prefix.encode('utf-8').hex()}*}}:lease*"
         names = {self._name_of(key) for key in self.client.scan_iter(match=pattern, count=1000)}
         return sorted(n for n in names if n is not None and n.startswith(prefix))
 
@@ -340,16 +382,16 @@ class RedisBackend(Backend):
 
     def release(self, name: str, owner: str) -> bool:
         with self.translate("release", _ERRORS):
-            return int(self._release(self._keys(name)[:2], [owner])) == 1
+            return int(self._release(self._keys(name)[:3], [owner])) == 1
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         with self.translate("extend", _ERRORS):
-            reply = self._extend(self._keys(name)[:2], [owner, _ttl_ms(ttl)])
+            reply = self._extend(self._keys(name)[:3], [owner, _ttl_ms(ttl)])
         return None if reply is None else Grant(int(reply[0]), _dt(reply[1]))
 
     def inspect(self, name: str) -> LockInfo | None:
         with self.translate("inspect", _ERRORS):
-            reply = self._inspect(self._keys(name)[:2])
+            reply = self._inspect(self._keys(name)[:3])
         return _info(name, reply[1])
 
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
@@ -357,7 +399,7 @@ class RedisBackend(Backend):
             names = self._scan_names(prefix)
         for start in range(0, len(names), _BATCH):
             chunk = names[start : start + _BATCH]
-            keys = [key for n in chunk for key in self._keys(n)[:2]]
+            keys = [key for n in chunk for key in self._keys(n)[:3]]
             with self.translate("list", _ERRORS):
                 reply = self._inspect(keys)
             for n, flat in zip(chunk, reply[1:], strict=True):
@@ -366,14 +408,14 @@ class RedisBackend(Backend):
 
     def force_release(self, name: str) -> bool:
         with self.translate("force_release", _ERRORS):
-            return int(self._force_release(self._keys(name)[:2])) == 1
+            return int(self._force_release(self._keys(name)[:3])) == 1
 
     def purge_expired(self) -> int:
         count = 0
         with self.translate("purge_expired", _ERRORS):
             names = self._scan_names("")
             for start in range(0, len(names), _BATCH):
-                keys = [k for n in names[start : start + _BATCH] for k in self._keys(n)[:2]]
+                keys = [k for n in names[start : start + _BATCH] for k in self._keys(n)[1:3]]
                 count += int(self._purge(keys))
         return count
 
@@ -394,7 +436,7 @@ class RedisBackend(Backend):
     def release_many(self, names: Sequence[str], owner: str) -> int:
         if not names:
             return 0
-        keys = [key for n in names for key in self._keys(n)[:2]]
+        keys = [key for n in names for key in self._keys(n)[:3]]
         with self.translate("release_many", _ERRORS):
             return int(self._release_many(keys, [owner]))
 
