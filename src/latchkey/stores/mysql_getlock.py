@@ -1,0 +1,354 @@
+"""``mysql+getlock://user:pass@host:3306/database``: MySQL/MariaDB user-level locks (GET_LOCK).
+
+A lock is ``GET_LOCK(key, 0)`` on one dedicated connection per backend. It lives exactly as
+long as that session: no TTL, no fencing tokens, released by the server when the connection
+ends (crash, network loss, server restart). When our connection fails, every lock it held is
+reported lost (``extend`` returns None so the core raises LockLost, ``release`` returns False)
+and never silently re-taken on the next connection.
+
+Lock keys are server-wide (not per database), at most 64 characters on MySQL, compared
+case-insensitively, and cut at a NUL byte. So the key is ``prefix + name`` only when the name
+is plain (lowercase ASCII letters, digits and ``_ : . - /``) and short enough; any other name
+gets a readable stem, ``~`` and 96 bits of SHA-256 of its UTF-8 bytes, e.g.
+``latchkey:report_2024_~3f9c…``. ``~`` never appears in a plain key, so a plain key and a
+hashed one never meet.
+
+GET_LOCK is re-entrant per session, and every thread of a process shares the session, so the
+backend keeps a local map ``key -> (owner, owner_info)``: one owner can neither take nor
+release another owner's lock through the shared session.
+
+Not offered: semaphores (``inspect`` could not enumerate slot keys without knowing the
+limit), listing and purging (the server exposes lock keys, not names, and only through
+optional instrumentation), versioned records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, ClassVar, NoReturn
+
+import pymysql
+from pymysql.constants import CLIENT
+
+from latchkey._owner import Owner
+from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._url import Option, StoreURL, key_prefix
+from latchkey.errors import Unsupported
+from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, utc
+
+#: MySQL's limit on a user-level lock name (MariaDB accepts longer ones).
+MAX_KEY = 64
+PREFIX_MAX = 24
+_PLAIN = re.compile(r"^[a-z0-9_:./-]+$")
+_UNREADABLE = re.compile(r"[^a-z0-9_:./-]")
+HASH_HEX = 24  # 96 bits of SHA-256
+
+# Tries the lock without waiting. In: key. Out: 1 taken, 0 busy, NULL error (the session was
+# killed, out of memory); when busy, the holding connection's id and client host (NULL if our
+# user may not see that connection in the process list).
+TRY_LOCK = """
+SET @lk_got = GET_LOCK(%(key)s, 0);
+SELECT @lk_got, IF(@lk_got = 0, IS_USED_LOCK(%(key)s), NULL),
+       IF(@lk_got = 0, (SELECT HOST FROM information_schema.PROCESSLIST
+                         WHERE ID = IS_USED_LOCK(%(key)s)), NULL)"""
+# Ends the lock if this session holds it. Out: 1 released, 0 held by another session, NULL
+# no such lock.
+RELEASE_LOCK = "SELECT RELEASE_LOCK(%s)"
+# Whether this very session (not a reconnected one) still holds the key. Out: 1 or 0/NULL.
+HOLDS = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"
+# Who holds a key: the connection id (NULL: free), whether it is us, its client host.
+INSPECT = """
+SELECT IS_USED_LOCK(%(key)s), IS_USED_LOCK(%(key)s) = CONNECTION_ID(),
+       (SELECT HOST FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK(%(key)s))"""
+# Ends another session (and so every lock it holds): the only way to take its lock. In: id.
+KILL = "KILL CONNECTION %s"
+# Batch claim: {calls} is one "GET_LOCK(%s, 0)" per key, each evaluated once, in one row.
+CLAIM = "SELECT {calls}"
+CLAIM_CALL = "GET_LOCK(%s, 0)"
+# Batch release: {calls} is one "RELEASE_LOCK(%s)" per key.
+RELEASE_MANY = "SELECT {calls}"
+RELEASE_CALL = "RELEASE_LOCK(%s)"
+NOW = "SELECT UTC_TIMESTAMP(6)"
+
+
+def getlock_prefix(text: str) -> str:
+    """A key prefix short enough to leave room for the name within 64 characters."""
+    key_prefix(text)
+    if len(text) > PREFIX_MAX:
+        raise ValueError(f"at most {PREFIX_MAX} characters (lock keys are ≤ 64 characters)")
+    return text
+
+
+def lock_key(name: str, prefix: str = "latchkey:") -> str:
+    """The GET_LOCK key of ``name``: ``prefix + name`` if plain and short, else hashed."""
+    room = MAX_KEY - len(prefix)
+    if _PLAIN.match(name) and len(name) <= room:
+        return prefix + name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:HASH_HEX]
+    stem = _UNREADABLE.sub("_", name.lower())[: room - HASH_HEX - 1]
+    return f"{prefix}{stem}~{digest}"
+
+
+class GetLockBackend(Backend):
+    """Session-tied GET_LOCK locks; see the module docstring for what it can't do."""
+
+    scheme = "mysql+getlock"
+    capabilities = Capabilities(
+        ttl=False,
+        fencing=False,
+        durable=False,
+        listing=False,
+        push=False,
+        semaphores=False,
+        claims=True,
+        records=False,
+        force_release=True,
+        session_tied=True,
+    )
+    options: ClassVar[Mapping[str, Option]] = {
+        "prefix": Option(
+            getlock_prefix, "latchkey:", "prepended to each lock key (keys are server-wide)"
+        ),
+    }
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.prefix: str = self.config["prefix"]
+        self._connect_args = connect_args(self)
+        self._conn: Any = None
+        self._pid = 0
+        self._mutex = threading.Lock()
+        # key -> (owner token, owner_info): the locks this process holds through _conn.
+        self._held: dict[str, tuple[str, str]] = {}
+
+    def key(self, name: str) -> str:
+        return lock_key(name, self.prefix)
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def _connection(self) -> Any:
+        """The session (call under the mutex). A new one after a failure or a fork starts
+        with no locks: those of the old session died with it (or belong to the parent)."""
+        if self._conn is not None and self._pid == os.getpid():
+            return self._conn
+        self._conn, self._held = None, {}  # after fork: the parent's session, not ours
+        self._conn = pymysql.connect(**self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        self._pid = os.getpid()
+        return self._conn
+
+    def _query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run one query on the session (under the mutex); return the last result set."""
+        with self._connection().cursor() as cur:
+            cur.execute(sql, params)
+            rows: list[tuple[Any, ...]] = []
+            while True:
+                if cur.description:
+                    rows = list(cur.fetchall())
+                if not cur.nextset():
+                    return rows
+
+    def _lose_session(self) -> None:
+        """Close a failed session: the server ends its locks, so they are lost to us."""
+        conn, self._conn, self._held = self._conn, None, {}
+        if conn is not None and self._pid == os.getpid():
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+    def _failed(self, exc: BaseException, action: str) -> NoReturn:
+        self._lose_session()
+        self.unavailable(exc, action)
+
+    def _mine(self, key: str, owner: str) -> bool:
+        """True if ``owner`` took ``key`` through the current session (under the mutex)."""
+        if self._conn is None or self._pid != os.getpid():
+            self._held = {}
+            return False
+        entry = self._held.get(key)
+        return entry is not None and entry[0] == owner
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        if limit != 1:
+            raise Unsupported(f"the {self.scheme} store does not support semaphores")
+        key = self.key(name)
+        with self._mutex:
+            try:
+                self._connection()
+                if key in self._held:  # ours already, for another owner: re-entry would succeed
+                    return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
+                got, holder_id, host = self._query(TRY_LOCK, {"key": key})[0]
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, f"acquire {name!r}")
+            if got is None:
+                self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
+            if int(got) == 1:
+                self._held[key] = (owner, owner_info)
+                return Grant(None, None)
+        if holder_id is None:
+            return Busy(0)  # released between our attempt and the look-up: retry at once
+        return Busy(1, _other_holder(holder_id, host))
+
+    def release(self, name: str, owner: str) -> bool:
+        key = self.key(name)
+        with self._mutex:
+            if not self._mine(key, owner):
+                return False
+            try:
+                (released,) = self._query(RELEASE_LOCK, (key,))[0]
+            except DRIVER_ERRORS:
+                self._lose_session()  # the session is gone, and the lock with it
+                return False
+            del self._held[key]
+            return bool(released == 1)
+
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        """No TTL to move: checks that our session is alive and still holds the lock.
+
+        If the check fails, the session is closed and every lock in it is lost. Then, if the
+        server answers a new connection, the lock was lost (killed session, restart): None,
+        so the holder sees LockLost; if it does not, StoreUnavailable (an outage), and the
+        next extend returns None."""
+        key = self.key(name)
+        with self._mutex:
+            if not self._mine(key, owner):
+                return None
+            try:
+                (holds,) = self._query(HOLDS, (key,))[0]
+            except DRIVER_ERRORS as exc:
+                self._lose_session()
+                try:
+                    self._connection()
+                except DRIVER_ERRORS:
+                    self._failed(exc, f"check the lock {name!r}")
+                return None
+            if holds != 1:  # its session was killed and we reconnected, or force-released
+                del self._held[key]
+                return None
+        return Grant(None, None)
+
+    def inspect(self, name: str) -> LockInfo | None:
+        key = self.key(name)
+        with self._mutex:
+            try:
+                holder_id, ours, host = self._query(INSPECT, {"key": key})[0]
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, f"inspect {name!r}")
+            if holder_id is None:
+                return None
+            if ours == 1 and key in self._held:
+                holder = Holder(None, Owner.from_json(self._held[key][1]), None, None)
+            else:
+                holder = _other_holder(holder_id, host)
+        return LockInfo(name, (holder,))
+
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        raise Unsupported(
+            f"the {self.scheme} store cannot list locks: the server shows keys, not names"
+        )
+
+    def force_release(self, name: str) -> bool:
+        """Release it if this process holds it; otherwise end the connection that does
+        (which ends every lock of that session: its holders will see LockLost)."""
+        key = self.key(name)
+        with self._mutex:
+            try:
+                if key in self._held and self._conn is not None and self._pid == os.getpid():
+                    del self._held[key]
+                    return bool(self._query(RELEASE_LOCK, (key,))[0][0] == 1)
+                holder_id, ours, _ = self._query(INSPECT, {"key": key})[0]
+                if holder_id is None or ours == 1:
+                    return False
+                self._query(KILL, (int(holder_id),))
+            except pymysql.err.OperationalError as exc:
+                if exc.args[0] == UNKNOWN_THREAD:
+                    return False  # it ended on its own in between
+                self._failed(exc, f"force-release {name!r}")
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, f"force-release {name!r}")
+        return True
+
+    def purge_expired(self) -> int:
+        return 0  # nothing expires: locks end with their session
+
+    # -- batch claims --------------------------------------------------------------------------
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        with self._mutex:
+            try:
+                self._connection()
+                candidates: dict[str, str] = {}
+                for name in names:
+                    key = self.key(name)
+                    if key not in self._held and key not in candidates:
+                        candidates[key] = name
+                if not candidates:
+                    return {}
+                keys = list(candidates)
+                calls = ", ".join([CLAIM_CALL] * len(keys))
+                row = self._query(CLAIM.format(calls=calls), keys)[0]
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, f"claim {len(names)} names")
+            if any(got is None for got in row):  # an error inside the batch: give all back
+                self._failed(RuntimeError("GET_LOCK returned NULL"), f"claim {len(names)} names")
+            taken = {candidates[key] for key, got in zip(keys, row, strict=True) if int(got) == 1}
+            for name in taken:
+                self._held[self.key(name)] = (owner, owner_info)
+        return {name: Grant(None, None) for name in names if name in taken}
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        with self._mutex:
+            keys = [k for k in dict.fromkeys(self.key(n) for n in names) if self._mine(k, owner)]
+            if not keys:
+                return 0
+            calls = ", ".join([RELEASE_CALL] * len(keys))
+            try:
+                row = self._query(RELEASE_MANY.format(calls=calls), keys)[0]
+            except DRIVER_ERRORS:
+                self._lose_session()
+                return 0
+            for key in keys:
+                del self._held[key]
+            return sum(1 for released in row if released == 1)
+
+    # -- health, lifecycle ---------------------------------------------------------------------
+
+    def now(self) -> datetime:
+        with self._mutex:
+            try:
+                return utc(self._query(NOW)[0][0])
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, "read the clock")
+
+    def init(self) -> None:
+        with self._mutex:
+            try:
+                self._connection()
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, "connect")
+
+    def close(self) -> None:
+        """Closing the session ends every lock it holds."""
+        with self._mutex:
+            self._lose_session()
+
+
+UNKNOWN_THREAD = 1094  # KILL of a connection that no longer exists
+
+
+def _other_holder(connection_id: Any, host: Any) -> Holder:
+    """Another session's lock: all the server tells is its connection id and client host."""
+    client = str(host.decode() if isinstance(host, bytes) else host or "")
+    owner = Owner(host=client.rsplit(":", 1)[0], metadata={"connection_id": int(connection_id)})
+    return Holder(None, owner, None, None)
