@@ -1,0 +1,419 @@
+"""What only the memcached store has to show: key layout, round trips, its failure modes.
+
+The shared semantics are tested by the rest of tests/contract on every store. Tests that stop
+a server start their own disposable ones, so the shared server stays up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import latchkey
+from latchkey import ConfigError, StoreUnavailable, Unsupported
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from latchkey.stores.memcached import MemcachedBackend, _Server, _ttl_arg
+from tests.conftest import ServerPool
+from tests.helpers import HOSTILE_NAMES, eventually
+from tests.servers import RunningServer, ServerUnavailable
+from tests.servers.memcached import start_memcached
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and "memcached" not in _selected:
+    pytest.skip("the memcached row is not selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+A, B = "a" * 32, "b" * 32
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"memcached: server required in CI but unavailable: {reason}")
+    pytest.skip(f"memcached: not run: {reason}")
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture
+def base(server_pool: ServerPool) -> str:
+    try:
+        return server_pool.base_url("memcached")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise
+
+
+@pytest.fixture
+def backend(base: str, prefix: str) -> Iterator[MemcachedBackend]:
+    b = open_backend(f"{base}?prefix={prefix}")
+    assert isinstance(b, MemcachedBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def own_servers(tmp_path: Path) -> Iterator[list[RunningServer]]:
+    """Two private servers that a test may stop and restart."""
+    started: list[RunningServer] = []
+    try:
+        for i in range(2):
+            started.append(start_memcached(tmp_path / f"mc{i}"))
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """Backends and stores a test opens, closed even when the test fails."""
+    opened: list[Any] = []
+    yield opened
+    for thing in opened:
+        thing.close()
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("?")[0])
+
+
+def raw_get(port: int, key: bytes) -> bytes | None:
+    """The value memcached holds at ``key``, read with a plain socket."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(b"mg " + key + b" v\r\n")
+        reply = b""
+        while not reply.endswith(b"\r\n") or (reply.startswith(b"VA") and reply.count(b"\r\n") < 2):
+            reply += s.recv(65536)
+    if reply.startswith(b"EN"):
+        return None
+    return reply.split(b"\r\n")[1]
+
+
+class Counting:
+    """Counts round trips (one ``exchange`` each) of a backend's servers."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.trips = 0
+        original = _Server.exchange
+
+        def exchange(server: _Server, commands: Sequence[bytes]) -> Any:
+            self.trips += 1
+            return original(server, commands)
+
+        monkeypatch.setattr(_Server, "exchange", exchange)
+
+
+# -- URL and options ---------------------------------------------------------------------------
+
+
+def test_url_with_several_servers_and_default_port() -> None:
+    b = open_backend("memcached://10.0.0.1:11311,10.0.0.2,[::1]:5000?prefix=app:&timeout=2s")
+    assert isinstance(b, MemcachedBackend)
+    assert sorted(b._servers) == ["10.0.0.1:11311", "10.0.0.2:11211", "::1:5000"]
+    assert b.prefix == b"app:" and b.timeout == 2.0
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memcached://",
+        "memcached://h:1?prefix=has space",
+        "memcached://h:1?prefix=" + "p" * 101,
+        "memcached://user:secret@h:1",
+        "memcached://h:1/somepath",
+        "memcached://h:1?table=x",
+    ],
+)
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        open_backend(url)
+    assert "secret" not in str(caught.value)
+
+
+def test_no_connection_is_made_before_first_use() -> None:
+    b = open_backend("memcached://127.0.0.1:1?timeout=1s")  # nothing listens on port 1
+    assert isinstance(b, MemcachedBackend)
+
+
+def test_listing_is_unsupported_and_purge_has_nothing_to_do(backend: MemcachedBackend) -> None:
+    assert backend.capabilities.listing is False
+    with pytest.raises(Unsupported):
+        list(backend.list())
+    assert backend.purge_expired() == 0
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+def test_plain_names_are_readable_keys(backend: MemcachedBackend, base: str, prefix: str) -> None:
+    grant = backend.acquire("job:42", A, INFO, 30)
+    assert isinstance(grant, Grant)
+    value = raw_get(_port(base), f"{prefix}lock:job:42".encode())
+    assert value is not None and b'"n":"job:42"' in value
+    assert raw_get(_port(base), f"{prefix}fence:job:42".encode()) == str(grant.token).encode()
+
+
+@pytest.mark.parametrize("name", [*HOSTILE_NAMES, "#looks-hashed", "with space", "x" * 230])
+def test_other_names_are_hashed_and_still_inspectable(
+    backend: MemcachedBackend, base: str, prefix: str, name: str
+) -> None:
+    assert isinstance(backend.acquire(name, A, INFO, 30), Grant)
+    plain = name.isascii() and name.isprintable() and " " not in name and len(name) < 200
+    part = (
+        name
+        if plain and not name.startswith("#")
+        else "#" + hashlib.sha256(name.encode()).hexdigest()
+    )
+    assert raw_get(_port(base), f"{prefix}lock:{part}".encode()) is not None
+    info = backend.inspect(name)
+    assert info is not None and info.name == name and info.owner.pid == 1
+    assert isinstance(backend.acquire(name, B, INFO, 30), Busy)
+    assert backend.release(name, A) is True
+    assert backend.inspect(name) is None
+
+
+def test_a_hashed_name_never_collides_with_a_plain_one(backend: MemcachedBackend) -> None:
+    hashed = "needs hashing"
+    digest = "#" + hashlib.sha256(hashed.encode()).hexdigest()
+    assert isinstance(backend.acquire(hashed, A, INFO, 30), Grant)
+    assert isinstance(backend.acquire(digest, B, INFO, 30), Grant)  # "#…" names are hashed too
+
+
+# -- owner checks: never get-then-delete -----------------------------------------------------
+
+
+def test_a_non_owner_cannot_release_or_extend(backend: MemcachedBackend) -> None:
+    backend.acquire("n", A, INFO, 30)
+    assert backend.release("n", B) is False
+    assert backend.extend("n", B, 60) is None
+    info = backend.inspect("n")
+    assert info is not None and info.holders[0].owner.pid == 1
+
+
+def test_release_racing_a_takeover_leaves_the_new_holder_alone(
+    backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sherlock bug: read "it is mine", the lease expires and B takes the name, then a
+    plain delete removes B's lease. The CAS-checked delete must refuse instead."""
+    backend.acquire("n", A, INFO, 30)
+    original = MemcachedBackend._mine
+
+    def mine_then_takeover(self: MemcachedBackend, server: _Server, name: str, owner: str) -> Any:
+        found = original(self, server, name, owner)
+        assert self.force_release(name)  # as if the lease had expired…
+        assert isinstance(self.acquire(name, B, INFO, 30), Grant)  # …and B took the name
+        return found
+
+    monkeypatch.setattr(MemcachedBackend, "_mine", mine_then_takeover)
+    assert backend.release("n", A) is False
+    monkeypatch.undo()
+    info = backend.inspect("n")
+    assert info is not None and backend.release("n", B) is True
+
+
+def test_extend_racing_a_takeover_does_not_overwrite(
+    backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend.acquire("n", A, INFO, 30)
+    original = MemcachedBackend._mine
+
+    def mine_then_takeover(self: MemcachedBackend, server: _Server, name: str, owner: str) -> Any:
+        found = original(self, server, name, owner)
+        self.force_release(name)
+        self.acquire(name, B, INFO, 30)
+        return found
+
+    monkeypatch.setattr(MemcachedBackend, "_mine", mine_then_takeover)
+    assert backend.extend("n", A, 60) is None
+    monkeypatch.undo()
+    assert backend.release("n", B) is True
+
+
+# -- TTLs ------------------------------------------------------------------------------------
+
+
+def test_ttl_is_rounded_up_and_padded_by_a_second() -> None:
+    assert [_ttl_arg(t, 1e9) for t in (0.2, 1.0, 1.5, 59.9, 60)] == [2, 2, 3, 61, 61]
+    assert _ttl_arg(40 * 86400, 1_700_000_000.5) == 1_700_000_000 + 40 * 86400 + 1  # absolute
+
+
+def test_a_lease_never_ends_before_its_ttl(backend: MemcachedBackend) -> None:
+    """memcached's clock ticks in whole seconds: a bare TTL of 1 s may last 0.01 s."""
+    for phase in (0.0, 0.5):
+        time.sleep(phase)
+        name = f"short:{phase}"
+        sent = time.monotonic()
+        backend.acquire(name, A, INFO, 1.0)
+        time.sleep(max(0.0, sent + 0.97 - time.monotonic()))
+        assert backend.inspect(name) is not None
+        assert backend.release(name, A) is True
+
+
+def test_busy_reports_memcached_remaining_ttl(backend: MemcachedBackend) -> None:
+    backend.acquire("n", A, INFO, 5)
+    busy = backend.acquire("n", B, INFO, 5)
+    assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
+    assert busy.retry_after is not None and 4 <= busy.retry_after <= 6
+
+
+def test_store_clock_is_memcached_clock_within_a_second(backend: MemcachedBackend) -> None:
+    assert abs(backend.now().timestamp() - time.time()) < 1.5
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+def test_round_trips_per_operation(
+    backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend.inspect("warm-up")  # opens the connection and reads the clock once
+    count = Counting(monkeypatch)
+
+    def trips(call: Any) -> int:
+        before = count.trips
+        call()
+        return count.trips - before
+
+    assert trips(lambda: backend.acquire("n", A, INFO, 30)) == 2
+    assert trips(lambda: backend.acquire("n", B, INFO, 30)) == 1  # busy
+    assert trips(lambda: backend.extend("n", A, 30)) == 2
+    assert trips(lambda: backend.inspect("n")) == 1
+    assert trips(lambda: backend.release("n", A)) == 2
+    names = [f"row:{i}" for i in range(200)]
+    assert trips(lambda: backend.claim(names, A, INFO, 30)) == 2
+    assert trips(lambda: backend.release_many(names, A)) == 2
+    assert trips(lambda: backend.acquire("sem", A, INFO, 30, limit=5)) == 2
+
+
+def test_claim_skips_busy_names(backend: MemcachedBackend) -> None:
+    backend.acquire("row:2", B, INFO, 30)
+    grants = backend.claim(["row:1", "row:2", "row:3"], A, INFO, 30)
+    assert sorted(grants) == ["row:1", "row:3"]
+    assert backend.release_many(["row:1", "row:2", "row:3"], A) == 2
+    assert backend.inspect("row:2") is not None
+
+
+# -- failures: unavailable is never busy -------------------------------------------------------
+
+
+def _all_primitives_fail(b: MemcachedBackend, name: str) -> None:
+    calls: list[Any] = [
+        lambda: b.acquire(name, B, INFO, 30),
+        lambda: b.acquire(name, B, INFO, 30, limit=3),
+        lambda: b.release(name, A),
+        lambda: b.extend(name, A, 30),
+        lambda: b.inspect(name),
+        lambda: b.force_release(name),
+        lambda: b.claim([name, name + "2"], B, INFO, 30),
+        lambda: b.release_many([name], A),
+        lambda: b.record_get(name),
+        lambda: b.record_set(name, "1", 0),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            call()
+        assert time.monotonic() - started < 3
+
+
+def test_stopped_server_is_unavailable_then_restart_works(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    server = own_servers[0]
+    b = open_backend(f"{server.url}?timeout=1s")
+    closing.append(b)
+    assert isinstance(b, MemcachedBackend)
+    first = b.acquire("job", A, INFO, 60)
+    assert isinstance(first, Grant) and first.token is not None
+    time.sleep(1.1)  # the counter restarts at the store clock, whose unit is a second
+    server.stop()
+    _all_primitives_fail(b, "job")
+    server.start()
+    # The pooled connections died with the server: the next call uses a fresh one, no error.
+    assert b.inspect("job") is None  # memcached keeps nothing across a restart (documented)
+    again = b.acquire("job", B, INFO, 60)
+    assert isinstance(again, Grant)
+    assert isinstance(b.acquire("job", A, INFO, 60), Busy)  # no double grant
+    # The counter restarted from the store clock in ms: above the old token in practice.
+    assert again.token is not None and again.token > first.token
+
+
+def test_idle_connection_to_a_restarted_server_is_replaced(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    server = own_servers[0]
+    store = latchkey.connect(f"{server.url}?timeout=1s")
+    closing.append(store)
+    assert store.is_free("x")
+    server.stop()
+    server.start()
+    assert store.is_free("x")  # not StoreUnavailable: the stale socket was noticed and dropped
+
+
+def test_a_dead_server_never_moves_its_names_to_another(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    """pymemcache's HashClient would remap keys of a dead server, so a second holder could
+    take a lock on the other server. Here a name lives on one server, dead or alive."""
+    urls = ",".join(f"127.0.0.1:{s.port}" for s in own_servers)
+    b = open_backend(f"memcached://{urls}?timeout=1s&prefix=m:")
+    closing.append(b)
+    assert isinstance(b, MemcachedBackend)
+    names = [f"n{i}" for i in range(40)]
+    grants = b.claim(names, A, INFO, 60)
+    assert sorted(grants) == sorted(names)
+    homes = {
+        n: next(s for s in own_servers if raw_get(s.port, f"m:lock:{n}".encode())) for n in names
+    }
+    on_first = [n for n in names if homes[n] is own_servers[0]]
+    on_second = [n for n in names if homes[n] is own_servers[1]]
+    assert on_first and on_second  # spread over both, each lease on exactly one
+    assert all(
+        sum(raw_get(s.port, f"m:lock:{n}".encode()) is not None for s in own_servers) == 1
+        for n in names
+    )
+    own_servers[0].stop()
+    for name in on_first[:5]:
+        with pytest.raises(StoreUnavailable):
+            b.acquire(name, B, INFO, 60)
+    assert isinstance(b.acquire(on_second[0], B, INFO, 60), Busy)  # the live server still works
+    with pytest.raises(StoreUnavailable):
+        b.claim(names, B, INFO, 60)
+    own_servers[0].start()
+    assert isinstance(b.acquire(on_first[0], B, INFO, 60), Grant)  # back, empty
+
+
+def test_a_refused_write_is_unavailable_not_busy(backend: MemcachedBackend) -> None:
+    """memcached refuses an item over its size limit (1 MB): an error, never a busy lock."""
+    huge = '{"host":"h","pid":1,"metadata":{"x":"%s"}}' % ("x" * 1_100_000)
+    with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
+        backend.acquire("job", A, huge, 30)
+    assert isinstance(backend.acquire("job", A, INFO, 30), Grant)  # the connection recovered
+
+
+def test_lost_lease_after_restart_surfaces_as_lock_lost(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    server = own_servers[0]
+    store = latchkey.connect(f"{server.url}?timeout=1s")
+    closing.append(store)
+    lock = store.lock("job", ttl="60s", renew=False)
+    assert lock.acquire()
+    server.stop()
+    server.start()
+    with pytest.raises(latchkey.LockLost):
+        lock.extend()
+    eventually(lambda: store.is_free("job"), what="empty restarted server")
