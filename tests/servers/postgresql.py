@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from tests.servers import (
     ROWS,
@@ -71,15 +72,27 @@ def _run(cmd: list[str], as_postgres: dict[str, Any], cwd: Path, what: str) -> N
         raise ServerUnavailable(f"{what} failed ({proc.returncode}): {proc.stderr[-800:]}")
 
 
-def start(workdir: Path) -> RunningServer:
-    """initdb a fresh cluster in ``workdir`` and start it on a free loopback port."""
+def start(workdir: Path, password: str | None = None) -> RunningServer:
+    """initdb a fresh cluster in ``workdir`` and start it on a free loopback port.
+
+    With ``password``, TCP connections must authenticate (scram-sha-256) as ``postgres`` with
+    it; otherwise every connection is trusted.
+    """
     initdb = ensure_binary("initdb", "postgresql", search=(f"{PG_BIN}/initdb",))
     bindir = Path(initdb).parent
     as_postgres = _as_postgres()
     home = _owned_dir(workdir / "pg", as_postgres)
     data, sockets = home / "data", _owned_dir(home / "run", as_postgres)
+    auth = ["--auth=trust"]
+    if password is not None:
+        pwfile = home / "pwfile"
+        pwfile.write_text(password + "\n")
+        if as_postgres:
+            entry = pwd.getpwnam("postgres")
+            os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+        auth = ["--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}"]
     _run(
-        [initdb, "-D", str(data), "--auth=trust", "-U", "postgres", "-E", "UTF8",
+        [initdb, "-D", str(data), *auth, "-U", "postgres", "-E", "UTF8",
          "--locale=C.UTF-8", "--no-instructions"],
         as_postgres, home, "initdb",
     )
@@ -97,8 +110,9 @@ def start(workdir: Path) -> RunningServer:
 
     pid = launch()
     wait_port_open(port)
+    userinfo = ":" + quote(password, safe="") if password else ""
     return RunningServer(
-        url=f"postgresql://postgres@127.0.0.1:{port}/postgres",
+        url=f"postgresql://postgres{userinfo}@127.0.0.1:{port}/postgres",
         pid=pid,
         port=port,
         workdir=workdir,

@@ -475,13 +475,16 @@ class Session:
         conn = self.conn
         if conn is None or conn.closed:
             return False
-        if _input_waiting(conn.pgconn.socket):
-            with contextlib.suppress(*DRIVER_ERRORS):
-                conn.pgconn.consume_input()
-            if conn.pgconn.status != psycopg.pq.ConnStatus.OK:
+        pgconn = conn.pgconn
+        for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
+            if pgconn.status != psycopg.pq.ConnStatus.OK:
                 self.broken()
                 return False
-        return True
+            if not _input_waiting(pgconn.socket):
+                return True
+            with contextlib.suppress(*DRIVER_ERRORS):
+                pgconn.consume_input()
+        return pgconn.status == psycopg.pq.ConnStatus.OK
 
     def broken(self) -> bool:
         """After an error: drop the connection if it is no longer usable (call under lock)."""

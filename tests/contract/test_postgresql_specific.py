@@ -1,0 +1,563 @@
+"""What only the PostgreSQL stores have to show: table layout, options, connection failures,
+LISTEN/NOTIFY, fork safety, and the advisory store's 64-bit keys and session ties.
+
+The shared semantics are tested by the rest of tests/contract on both rows. Tests that stop a
+server or need password authentication start their own disposable one, so the shared server
+stays up for everyone else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+import latchkey
+from latchkey import ConfigError, StoreUnavailable
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
+from latchkey.stores.postgresql import SCHEMA_VERSION, PostgreSQLBackend
+from tests.conftest import ServerPool
+from tests.helpers import HOSTILE_NAMES, eventually
+from tests.servers import RunningServer, ServerUnavailable, free_port
+from tests.servers.postgresql import start as start_postgresql
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and not _selected & {"postgresql", "postgresql+advisory"}:
+    pytest.skip("no PostgreSQL row is selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"postgresql: server required in CI but unavailable: {reason}")
+    pytest.skip(f"postgresql: not run: {reason}")
+
+
+def _owner() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def pg_base(server_pool: ServerPool) -> str:
+    """The shared server's plain postgresql:// URL."""
+    try:
+        return server_pool.base_url("postgresql")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+@pytest.fixture
+def table() -> str:
+    return f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def backend(pg_base: str, table: str) -> Iterator[PostgreSQLBackend]:
+    b = open_backend(f"{pg_base}?table={table}")
+    assert isinstance(b, PostgreSQLBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def advisory(pg_base: str) -> Iterator[AdvisoryBackend]:
+    b = open_backend(f"{pg_base.replace('postgresql://', 'postgresql+advisory://')}"
+                     f"?prefix=t{uuid.uuid4().hex[:12]}")
+    assert isinstance(b, AdvisoryBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def sql(pg_base: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """A plain connection to look at what the stores wrote."""
+    with psycopg.connect(pg_base, autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[RunningServer]:
+    """A private server that a test may stop and restart."""
+    try:
+        server = start_postgresql(tmp_path / "pg")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise AssertionError("unreachable") from exc
+    yield server
+    server.stop()
+
+
+# -- options and layout --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["table=x;drop", "table=a%20b", "table=1abc", f"table={'a' * 56}", "schema=pg-catalog",
+     "schema=x'y", "table=", "sslmode=sometimes", "nosuch=1"],
+)
+def test_bad_options_are_config_errors(pg_base: str, query: str) -> None:
+    with pytest.raises(ConfigError):
+        open_backend(f"{pg_base}?{query}")
+    with pytest.raises(ConfigError):
+        open_backend(f"{pg_base.replace('postgresql://', 'postgresql+advisory://')}?{query}")
+
+
+def test_tables_are_created_on_first_use_with_their_schema_version(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    assert isinstance(backend.acquire("n", _owner(), INFO, 30), Grant)
+    relations = {
+        row[0] for row in sql.execute(
+            "SELECT relname FROM pg_class WHERE relname LIKE %s", (f"{table}%",)
+        )
+    }
+    assert {table, f"{table}_fence", f"{table}_meta", f"{table}_records",
+            f"{table}_expires", f"{table}_pkey"} <= relations
+    row = sql.execute(f'SELECT value FROM "{table}_meta" WHERE key = %s',
+                      ("schema_version",)).fetchone()
+    assert row == (str(SCHEMA_VERSION),)
+
+
+def test_tables_from_a_newer_version_are_refused(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    backend.init()
+    sql.execute(f"UPDATE \"{table}_meta\" SET value = '999' WHERE key = 'schema_version'")
+    with pytest.raises(StoreUnavailable, match="schema version 999"):
+        backend.init()
+
+
+def test_schema_option_puts_the_tables_there(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    schema = f"S_{uuid.uuid4().hex[:8]}"  # mixed case: identifiers are quoted, not folded
+    b = open_backend(f"{pg_base}?schema={schema}&table=Locks")
+    try:
+        assert isinstance(b.acquire("n", _owner(), INFO, 30), Grant)
+        info = b.inspect("n")
+        assert info is not None and info.token is not None
+    finally:
+        b.close()
+    rows = sql.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,)
+    ).fetchall()
+    assert {r[0] for r in rows} == {"Locks", "Locks_meta", "Locks_records"}
+    sql.execute(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+def test_concurrent_first_use_creates_the_tables_once(pg_base: str, table: str) -> None:
+    backends = [open_backend(f"{pg_base}?table={table}") for _ in range(6)]
+    results: list[object] = []
+
+    def first_use(b: object) -> None:
+        assert isinstance(b, PostgreSQLBackend)
+        try:
+            results.append(b.acquire(f"n{id(b)}", _owner(), INFO, 30))
+        except Exception as exc:  # collected and asserted below
+            results.append(exc)
+
+    threads = [threading.Thread(target=first_use, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b in backends:
+        b.close()
+    assert all(isinstance(r, Grant) for r in results), results
+
+
+def test_hostile_names_round_trip_as_utf8_bytes(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    for name in HOSTILE_NAMES:
+        assert isinstance(backend.acquire(name, _owner(), INFO, 30), Grant)
+    for name in HOSTILE_NAMES:
+        info = backend.inspect(name)
+        assert info is not None and info.name == name
+    assert [i.name for i in backend.list()] == sorted(HOSTILE_NAMES, key=str.encode)
+    stored = {bytes(r[0]) for r in sql.execute(f'SELECT name FROM "{table}"')}
+    assert stored == {n.encode() for n in HOSTILE_NAMES}
+    assert [i.name for i in backend.list("nul\x00")] == ["nul\x00inside"]
+
+
+def test_each_primitive_is_one_statement(backend: PostgreSQLBackend) -> None:
+    backend.init()
+    backend.now()  # connected, statements rendered
+    conn = backend._session.conn
+    assert conn is not None
+    calls: list[bytes] = []
+    original = conn.execute
+
+    def counting(query: object, *args: object, **kwargs: object) -> object:
+        calls.append(query)  # type: ignore[arg-type]
+        return original(query, *args, **kwargs)  # type: ignore[arg-type]
+
+    conn.execute = counting  # type: ignore[method-assign]
+    owner = _owner()
+    steps = [
+        lambda: backend.acquire("n", owner, INFO, 30),
+        lambda: backend.acquire("n", _owner(), INFO, 30),  # busy, holder in the same trip
+        lambda: backend.extend("n", owner, 30),
+        lambda: backend.release("n", owner),
+        lambda: backend.acquire("s", owner, INFO, 30, limit=3),
+        lambda: backend.claim([f"c{i}" for i in range(100)], owner, INFO, 30),
+        lambda: backend.release_many([f"c{i}" for i in range(100)], owner),
+        lambda: backend.record_set("r", "1", 0),
+        lambda: backend.record_get("r"),
+        lambda: backend.record_delete("r", 1),
+        lambda: backend.purge_expired(),
+    ]
+    for step in steps:
+        calls.clear()
+        step()
+        assert len(calls) == 1
+
+
+# -- acquire details -------------------------------------------------------------------------
+
+
+def test_busy_reports_the_holder_and_when_it_ends(backend: PostgreSQLBackend) -> None:
+    assert isinstance(backend.acquire("n", _owner(), '{"host":"a","pid":7}', 30), Grant)
+    busy = backend.acquire("n", _owner(), INFO, 30)
+    assert isinstance(busy, Busy) and busy.holders == 1
+    assert busy.holder is not None and busy.holder.owner.pid == 7
+    assert busy.retry_after is not None and 25 < busy.retry_after <= 30
+    for _ in range(2):
+        assert isinstance(backend.acquire("s", _owner(), INFO, 30, limit=2), Grant)
+    busy = backend.acquire("s", _owner(), INFO, 30, limit=2)
+    assert isinstance(busy, Busy) and busy.holders == 2 and busy.holder is not None
+
+
+def test_tokens_survive_purge_and_come_from_one_sequence(
+    backend: PostgreSQLBackend,
+) -> None:
+    first = backend.acquire("a", _owner(), INFO, 0.05)
+    assert isinstance(first, Grant) and first.token is not None
+    eventually(lambda: backend.inspect("a") is None, what="expiry")
+    assert backend.purge_expired() == 1
+    second = backend.acquire("b", _owner(), INFO, 30)
+    third = backend.acquire("a", _owner(), INFO, 30)
+    assert isinstance(second, Grant) and isinstance(third, Grant)
+    assert second.token is not None and third.token is not None
+    assert first.token < second.token < third.token
+
+
+def test_overlapping_claims_in_opposite_orders_never_deadlock(
+    pg_base: str, table: str
+) -> None:
+    names = [f"c{i:03}" for i in range(60)]
+    a, b = open_backend(f"{pg_base}?table={table}"), open_backend(f"{pg_base}?table={table}")
+    errors: list[BaseException] = []
+
+    def churn(backend: object, order: list[str]) -> None:
+        assert isinstance(backend, PostgreSQLBackend)
+        try:
+            for _ in range(15):
+                owner = _owner()
+                taken = backend.claim(order, owner, INFO, 30)
+                backend.release_many(list(taken), owner)
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(a, names)),
+               threading.Thread(target=churn, args=(b, names[::-1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a.close()
+    b.close()
+    assert errors == []
+
+
+# -- waiting -----------------------------------------------------------------------------------
+
+
+def test_release_from_another_connection_wakes_a_waiter(pg_base: str, table: str) -> None:
+    url = f"{pg_base}?table={table}"
+    waiting, holding = open_backend(url), open_backend(url)
+    try:
+        owner = _owner()
+        assert isinstance(holding.acquire("n", owner, INFO, 60), Grant)
+        with waiting.subscribe("n") as waiter, waiting.subscribe("other") as bystander:
+            threading.Timer(0.2, lambda: holding.release("n", owner)).start()
+            started = time.monotonic()
+            assert waiter.wait(10) is True
+            assert time.monotonic() - started < 2
+            assert bystander.wait(0.05) is False  # notices are per name
+    finally:
+        waiting.close()
+        holding.close()
+
+
+def test_waiters_share_one_listening_connection(
+    pg_base: str, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    b = open_backend(f"{pg_base}?table={table}&timeout=7")
+
+    def listeners() -> int:
+        row = sql.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%%' "
+            "AND query LIKE %s", (f"%{table}%",)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    waiters = [b.subscribe(f"n{i}") for i in range(20)]
+    assert listeners() == 1
+    for w in waiters:
+        w.close()
+    b.close()
+    eventually(lambda: listeners() == 0, what="listener closed")
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_handoff_to_a_blocked_waiter_is_prompt(pg_base: str, kind: str) -> None:
+    url = f"{pg_base.replace('postgresql://', kind + '://')}?" + (
+        f"table=t_{uuid.uuid4().hex[:12]}" if kind == "postgresql" else f"prefix=t{os.getpid()}"
+    )
+    a, b = latchkey.connect(url), latchkey.connect(url)
+    try:
+        holder = a.lock("h", ttl="60s")
+        assert holder.acquire()
+        got: list[float] = []
+
+        def wait() -> None:
+            lock = b.lock("h", ttl="60s", wait="20s")
+            assert lock.acquire()
+            got.append(time.monotonic())
+            lock.release()
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.5)  # the waiter is blocked, its backoff grown past 0.25 s
+        released = time.monotonic()
+        holder.release()
+        t.join(30)
+        assert got and got[0] - released < 0.2  # woken by NOTIFY, not by its next poll
+    finally:
+        a.close()
+        b.close()
+
+
+# -- connection failures -------------------------------------------------------------------------
+
+
+def test_wrong_password_is_unavailable_and_never_shown(tmp_path: Path) -> None:
+    secret = f"Right-{uuid.uuid4().hex[:8]}"
+    try:
+        server = start_postgresql(tmp_path / "pg", password=secret)
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise AssertionError("unreachable") from exc
+    try:
+        wrong = f"Wrong-{uuid.uuid4().hex[:8]}"
+        for scheme in ("postgresql", "postgresql+advisory"):
+            url = f"{scheme}://postgres:{wrong}@127.0.0.1:{server.port}/postgres"
+            b = open_backend(url)
+            with pytest.raises(StoreUnavailable) as caught:
+                b.now()
+            assert "password authentication failed" in str(caught.value)
+            assert wrong not in str(caught.value) and wrong not in repr(b)
+            assert secret not in str(caught.value)
+            b.close()
+        good = open_backend(server.url.replace("postgres@", "postgres@"))
+        good.now()
+        good.close()
+    finally:
+        server.stop()
+
+
+def test_silent_server_times_out_as_unavailable() -> None:
+    """A peer that accepts TCP but never answers: connect_timeout, not a hang."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes handshakes; nobody ever speaks
+        port = listener.getsockname()[1]
+        for scheme in ("postgresql", "postgresql+advisory"):
+            b = open_backend(f"{scheme}://postgres@127.0.0.1:{port}/postgres?timeout=2")
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                b.acquire("n", _owner(), INFO, 10)
+            assert time.monotonic() - started < 6
+            b.close()
+
+
+def test_closed_port_is_unavailable_at_once() -> None:
+    b = open_backend(f"postgresql://postgres@127.0.0.1:{free_port()}/postgres?timeout=2")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="postgresql store at"):
+        b.inspect("n")
+    assert time.monotonic() - started < 3
+    b.close()
+
+
+def test_restart_keeps_leases_and_the_stale_connection_is_replaced(
+    own_server: RunningServer,
+) -> None:
+    url = f"{own_server.url}?timeout=2"
+    holder, other = open_backend(url), open_backend(url)
+    owner = _owner()
+    granted = holder.acquire("n", owner, INFO, 60)
+    assert isinstance(granted, Grant) and granted.token is not None
+    assert isinstance(other.acquire("n", _owner(), INFO, 60), Busy)
+    own_server.stop()
+    with pytest.raises(StoreUnavailable):
+        other.acquire("n", _owner(), INFO, 60)
+    own_server.start()
+    # The holder's idle connection died with the server: replaced before use, no error.
+    assert holder.extend("n", owner, 60) is not None
+    assert isinstance(other.acquire("n", _owner(), INFO, 60), Busy)  # no double grant
+    assert holder.release("n", owner) is True
+    after = other.acquire("n", _owner(), INFO, 60)
+    assert isinstance(after, Grant) and after.token is not None
+    assert after.token > granted.token  # the sequence survived the restart
+    holder.close()
+    other.close()
+
+
+def test_fork_child_gets_its_own_connection(backend: PostgreSQLBackend) -> None:
+    owner = _owner()
+    assert isinstance(backend.acquire("n", owner, INFO, 60), Grant)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: use the inherited backend, then leave without cleanup
+        code = 1
+        try:
+            info = backend.inspect("n")
+            busy = backend.acquire("n", _owner(), INFO, 60)
+            code = 0 if info is not None and isinstance(busy, Busy) else 2
+        finally:
+            os.write(write_fd, bytes([code]))
+            os._exit(0)
+    os.close(write_fd)
+    assert os.read(read_fd, 1) == b"\x00"
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    assert backend.release("n", owner) is True  # the parent's session is untouched
+
+
+# -- the advisory store --------------------------------------------------------------------------
+
+
+def test_advisory_keys_are_64_bit_hashes_seen_in_pg_locks(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    keys = {advisory_key(f"name{i}") for i in range(2000)}
+    assert len(keys) == 2000
+    assert any(k < 0 for k in keys) and any(k > 2**32 for k in keys)
+    assert all(-(2**63) <= k < 2**63 for k in keys)
+    assert advisory_key("n", "a") != advisory_key("n", "b") != advisory_key("n")
+    assert advisory_key("a\x00b") != advisory_key("b", "a")  # prefix and name can't blur
+    name = "nul\x00inside ✓"
+    assert isinstance(advisory.acquire(name, _owner(), INFO, 10), Grant)
+    unsigned = advisory.key(name) & (2**64 - 1)
+    rows = sql.execute(
+        "SELECT classid::bigint, objid::bigint, objsubid FROM pg_locks "
+        "WHERE locktype = 'advisory' AND granted"
+    ).fetchall()
+    assert (unsigned >> 32, unsigned & 0xFFFF_FFFF, 1) in rows
+
+
+def test_advisory_owners_in_one_process_exclude_each_other(advisory: AdvisoryBackend) -> None:
+    first, second = _owner(), _owner()
+    assert isinstance(advisory.acquire("n", first, INFO, 10), Grant)
+    # Advisory locks are re-entrant per session: only the local map keeps `second` out.
+    assert isinstance(advisory.acquire("n", second, INFO, 10), Busy)
+    assert advisory.release("n", second) is False
+    assert advisory.extend("n", second, 10) is None
+    assert advisory.extend("n", first, 10) == Grant(None, None)
+    assert advisory.release("n", first) is True
+    assert advisory.inspect("n") is None
+
+
+def test_advisory_holder_in_another_process_is_named(
+    advisory: AdvisoryBackend, pg_base: str
+) -> None:
+    other = open_backend(advisory.url.raw)
+    try:
+        assert isinstance(other.acquire("n", _owner(), INFO, 10), Grant)
+        info = advisory.inspect("n")
+        assert info is not None and info.token is None and info.expires_at is None
+        assert info.owner.pid == os.getpid()  # from the holding session's application_name
+        busy = advisory.acquire("n", _owner(), INFO, 10)
+        assert isinstance(busy, Busy) and busy.holder is not None
+        assert busy.holder.owner.pid == os.getpid()
+    finally:
+        other.close()
+    assert advisory.inspect("n") is None  # closing the session ended its lock
+
+
+def test_advisory_force_release_ends_the_holding_session(advisory: AdvisoryBackend) -> None:
+    holder = open_backend(advisory.url.raw)
+    try:
+        owner = _owner()
+        assert isinstance(holder.acquire("n", owner, INFO, 10), Grant)
+        assert isinstance(holder.acquire("m", owner, INFO, 10), Grant)
+        assert advisory.force_release("n") is True
+        # The session is gone, so both of its locks are: reported lost, never re-taken.
+        assert holder.extend("n", owner, 10) is None
+        assert holder.extend("m", owner, 10) is None
+        assert holder.release("m", owner) is False
+        assert advisory.inspect("m") is None
+        assert isinstance(holder.acquire("n", _owner(), INFO, 10), Grant)  # a new session
+    finally:
+        holder.close()
+
+
+def test_advisory_restart_loses_every_lock(own_server: RunningServer) -> None:
+    url = own_server.url.replace("postgresql://", "postgresql+advisory://") + "?timeout=2"
+    b = open_backend(url)
+    owner = _owner()
+    assert isinstance(b.acquire("n", owner, INFO, 10), Grant)
+    own_server.stop()
+    with pytest.raises(StoreUnavailable):
+        b.extend("n", owner, 10)  # cannot tell yet: the server is down
+    own_server.start()
+    assert b.extend("n", owner, 10) is None  # the session died: lost, not re-acquired
+    assert b.release("n", owner) is False
+    assert b.inspect("n") is None
+    assert isinstance(b.acquire("n", _owner(), INFO, 10), Grant)
+    b.close()
+
+
+def test_advisory_fork_child_does_not_inherit_the_locks(advisory: AdvisoryBackend) -> None:
+    owner = _owner()
+    assert isinstance(advisory.acquire("n", owner, INFO, 10), Grant)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            lost = advisory.extend("n", owner, 10) is None and not advisory.release("n", owner)
+            busy = isinstance(advisory.acquire("n", _owner(), INFO, 10), Busy)
+            code = 0 if lost and busy else 2
+        finally:
+            os.write(write_fd, bytes([code]))
+            os._exit(0)
+    os.close(write_fd)
+    assert os.read(read_fd, 1) == b"\x00"
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    assert advisory.extend("n", owner, 10) == Grant(None, None)
+    assert advisory.release("n", owner) is True
+
+
+def test_advisory_declares_what_it_cannot_do(advisory: AdvisoryBackend) -> None:
+    caps = advisory.capabilities
+    assert caps.session_tied and not caps.ttl and not caps.fencing and not caps.durable
+    assert not caps.listing and not caps.semaphores and not caps.records and caps.push
+    with pytest.raises(latchkey.errors.Unsupported):
+        list(advisory.list())
+    with pytest.raises(latchkey.errors.Unsupported):
+        advisory.acquire("n", _owner(), INFO, 10, limit=2)
