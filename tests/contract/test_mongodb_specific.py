@@ -1,0 +1,256 @@
+"""What only the MongoDB store has to show: URL handling, seed 004's two bugs, the document.
+
+The first part needs no server: option validation, that constructing a backend connects to
+nothing, and that a refused connection is StoreUnavailable within the timeout (real behaviour:
+a closed port on 127.0.0.1). The second part runs on a real ``mongod`` only (see
+tests/servers/mongodb.py); without one it is skipped, never faked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from latchkey import ConfigError, StoreUnavailable
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from latchkey.stores.mongodb import MongoDBBackend
+from tests.conftest import ServerPool
+from tests.servers import RunningServer, ServerUnavailable, free_port
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and "mongodb" not in _selected:
+    pytest.skip("the mongodb row is not selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+A, B = "a" * 32, "b" * 32
+
+
+def _open(url: str) -> MongoDBBackend:
+    backend = open_backend(url)
+    assert isinstance(backend, MongoDBBackend)
+    return backend
+
+
+# -- no server needed --------------------------------------------------------------------------
+
+
+def test_url_options_reach_pymongo() -> None:
+    b = _open(
+        "mongodb://app:s3cret@db1:27017,db2/orders?collection=my_locks&timeout=2s"
+        "&replicaSet=rs0&authSource=admin&readPreference=primary"
+    )
+    try:
+        assert b.locks.full_name == "orders.my_locks"
+        assert b.records.full_name == "orders.my_locks_records"
+        options = b.client.options
+        assert options.replica_set_name == "rs0"
+        assert options.write_concern.document == {"w": "majority"}  # the default we set
+        assert options.server_selection_timeout == 2.0
+        assert options.pool_options.connect_timeout == 2.0
+        assert options.pool_options.socket_timeout == 2.0
+        assert "s3cret" not in repr(b)
+    finally:
+        b.close()
+
+
+def test_defaults_and_an_explicit_write_concern() -> None:
+    b = _open("mongodb://127.0.0.1:1?w=1")
+    try:
+        assert b.locks.full_name == "latchkey.latchkey_locks"
+        assert b.client.options.write_concern.document == {"w": 1}
+        assert b.timeout == 5.0
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mongodb://",
+        "mongodb://h/bad.db",
+        "mongodb://h?collection=1bad",
+        "mongodb://h?collection=has-dash",
+        "mongodb://h?unknown=1",
+        "mongodb://h?tls=maybe",
+        "mongodb+srv://h:27017/x",  # SRV URLs carry no port
+        "mongodb://user:s3cret@h?timeout=soon",
+    ],
+)
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        open_backend(url).close()
+    assert "s3cret" not in str(caught.value)
+
+
+def test_srv_url_is_accepted_without_a_dns_lookup() -> None:
+    started = time.monotonic()
+    b = _open("mongodb+srv://cluster0.example.invalid/app?timeout=1s")
+    b.close()
+    assert time.monotonic() - started < 1
+
+
+def test_constructing_connects_to_nothing() -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    b = _open(f"mongodb://127.0.0.1:{port}?timeout=3s")
+    b.close()
+    assert time.monotonic() - started < 0.5
+
+
+def test_user_strings_are_literals_in_pipelines() -> None:
+    """Owner info is the caller's text: it must never be read as a field path or operator."""
+    let = MongoDBBackend._let("$owner", '$info {"$where": 1}', 1.5, 3)
+    assert let == {
+        "owner": {"$literal": "$owner"},
+        "info": {"$literal": '$info {"$where": 1}'},
+        "ttl": 1500,
+        "limit": 3,
+    }
+
+
+def test_refused_connection_is_unavailable_within_the_timeout() -> None:
+    port = free_port()
+    b = _open(f"mongodb://app:s3cret@127.0.0.1:{port}?timeout=500ms")
+    calls: list[Any] = [
+        lambda: b.acquire("n", A, INFO, 10),
+        lambda: b.release("n", A),
+        lambda: b.extend("n", A, 10),
+        lambda: b.inspect("n"),
+        lambda: list(b.list("n")),
+        lambda: b.force_release("n"),
+        lambda: b.purge_expired(),
+        lambda: b.claim(["n", "m"], A, INFO, 10),
+        lambda: b.release_many(["n"], A),
+        lambda: b.record_get("n"),
+        lambda: b.record_set("n", "1", 0),
+        lambda: b.now(),
+        lambda: b.init(),
+    ]
+    try:
+        for call in calls:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as caught:
+                call()
+            assert time.monotonic() - started < 2.5
+            assert isinstance(caught.value, ConnectionError)
+            assert "s3cret" not in str(caught.value)
+    finally:
+        b.close()
+
+
+# -- on a real server --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mongo_url(server_pool: ServerPool) -> str:
+    try:
+        base = server_pool.base_url("mongodb")
+    except ServerUnavailable as exc:
+        pytest.skip(f"mongodb: not run: {exc}")
+    sep = "&" if "?" in base else "?"
+    return f"{base}{sep}collection=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def backend(mongo_url: str) -> Iterator[MongoDBBackend]:
+    b = _open(mongo_url)
+    yield b
+    b.locks.drop()
+    b.records.drop()
+    b.close()
+
+
+def test_a_live_holder_is_never_overwritten(backend: MongoDBBackend) -> None:
+    """Seed 004's get_lock upserted over the holder's document and so stole the lock."""
+    first = backend.acquire("migrations", A, INFO, 30)
+    assert isinstance(first, Grant)
+    busy = backend.acquire("migrations", B, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
+    doc = backend.locks.find_one({"_id": "migrations"})
+    assert doc is not None and [h["owner"] for h in doc["holders"]] == [A]
+
+
+def test_release_checks_the_owner(backend: MongoDBBackend) -> None:
+    """Seed 004's release_lock deleted the document whoever held it."""
+    backend.acquire("migrations", A, INFO, 30)
+    assert backend.release("migrations", B) is False
+    assert backend.extend("migrations", B, 60) is None
+    assert backend.inspect("migrations") is not None
+    assert backend.release("migrations", A) is True
+
+
+def test_document_layout_and_ttl_index(backend: MongoDBBackend) -> None:
+    grant = backend.acquire("job", A, INFO, 30)
+    assert isinstance(grant, Grant)
+    doc = backend.locks.find_one({"_id": "job"})
+    assert doc is not None
+    assert set(doc) == {"_id", "fence", "holders", "gc"}
+    assert doc["fence"] == grant.token
+    (holder,) = doc["holders"]
+    assert holder["owner"] == A and holder["info"] == INFO and holder["token"] == grant.token
+    assert doc["gc"] >= holder["expires"]
+    indexes = backend.locks.index_information()
+    assert indexes["latchkey_gc"]["expireAfterSeconds"] == 0
+
+
+def test_tokens_continue_after_the_document_is_purged(backend: MongoDBBackend) -> None:
+    first = backend.acquire("job", A, INFO, 0.05)
+    assert isinstance(first, Grant) and first.token is not None
+    time.sleep(0.2)
+    assert backend.purge_expired() == 1
+    assert backend.locks.find_one({"_id": "job"}) is None
+    second = backend.acquire("job", B, INFO, 30)
+    assert isinstance(second, Grant) and second.token is not None
+    assert second.token > first.token
+
+
+def test_racing_first_acquires_grant_exactly_one(backend: MongoDBBackend) -> None:
+    """Concurrent upserts of a new name: one inserts, the rest see it (or a duplicate key,
+    which is 'lost a race', never an error)."""
+    results: list[Grant | Busy] = []
+    barrier = threading.Barrier(8)
+
+    def take(owner: str) -> None:
+        barrier.wait()
+        results.append(backend.acquire("fresh", owner, INFO, 30))
+
+    threads = [threading.Thread(target=take, args=(f"{i:032x}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(isinstance(r, Grant) for r in results) == 1
+
+
+def test_semaphore_holders_live_in_one_document(backend: MongoDBBackend) -> None:
+    assert isinstance(backend.acquire("sem", A, INFO, 30, limit=2), Grant)
+    assert isinstance(backend.acquire("sem", B, INFO, 30, limit=2), Grant)
+    busy = backend.acquire("sem", "c" * 32, INFO, 30, limit=2)
+    assert isinstance(busy, Busy) and busy.holders == 2
+    info = backend.inspect("sem")
+    assert info is not None and len(info.holders) == 2
+
+
+def test_server_restart_keeps_leases(
+    server_pool: ServerPool, mongo_url: str, backend: MongoDBBackend
+) -> None:
+    server: RunningServer | None = server_pool.running.get("mongodb")
+    if server is None:
+        pytest.skip("mongodb: uses an existing server (env var); will not stop it")
+    grant = backend.acquire("job", A, INFO, 60)
+    assert isinstance(grant, Grant)
+    server.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            backend.acquire("job", B, INFO, 60)
+    finally:
+        server.start()
+    assert isinstance(backend.acquire("job", B, INFO, 60), Busy)
+    assert backend.release("job", A) is True
