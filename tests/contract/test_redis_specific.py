@@ -80,7 +80,7 @@ def _commands(client: redis.Redis) -> dict[str, int]:
 
 def test_keys_of_one_name_share_a_cluster_slot(backend: RedisBackend) -> None:
     for name in ["plain", "{tag}", "a}b{c", "nul\x00inside", "é" * 127]:
-        keys = [*backend._keys(name), backend._record_key(name)]
+        keys = [backend._base(name), *backend._keys(name), backend._record_key(name)]
         assert len({key_slot(k.encode()) for k in keys}) == 1, keys
         assert all(k.startswith(backend.prefix) for k in keys)
 

@@ -23,6 +23,8 @@ pub/sub connection per backend serves all its waiters (see :class:`_Listener`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 import threading
@@ -41,6 +43,11 @@ from latchkey.errors import ConfigError
 from latchkey.stores.base import Backend, Capabilities, Waiter
 
 # -- Lua ---------------------------------------------------------------------------------------
+# Every script gets, per name, one KEYS entry: the name's base key "P{H}". It touches only the
+# keys "P{H}:lease", ":leases", ":owners", ":fence", which share that hash tag and so the
+# declared key's cluster slot (Redis Cluster accepts undeclared keys of the declared slot).
+# One key instead of four makes EVALSHA as cheap to send as a raw SET NX PX.
+#
 # Two shapes of lease share a name. A mutex holder (limit 1, the common case) is one string key
 # with PX, as cheap as a raw SET NX PX lock. Semaphore holders (limit > 1) are members of a
 # sorted set scored by expiry, with their details in a hash. Both count as holders of the name
@@ -50,176 +57,177 @@ from latchkey.stores.base import Backend, Capabilities, Waiter
 #   their last member, so the zset exists  <=>  it has a live member;
 # - tokens come only from INCR on `fence`, which never expires and is never deleted.
 # Times are integer milliseconds of the server clock (TIME); a holder whose expiry <= now is gone.
+# A holder's record "token:acquired ms:owner_info" is what inspect sees: owner tokens stay inside.
 _LUA_HELPERS = """
 if redis.replicate_commands then redis.replicate_commands() end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function mutex_holder(lease)
-  local v = redis.call('GET', lease)
+local function mutex_holder(base)
+  local v = redis.call('GET', base .. ':lease')
   if not v then return nil, nil end
   local sep = string.find(v, ':', 1, true)
   return string.sub(v, 1, sep - 1), string.sub(v, sep + 1)
 end
 local function token_of(rec) return tonumber(string.match(rec, '^(%d+):')) end
-local function drop_expired(leases, owners, now)
+local function drop_expired(base, now)
+  local leases, owners = base .. ':leases', base .. ':owners'
   local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for i = 1, #gone do redis.call('HDEL', owners, gone[i]) end
   if #gone > 0 then redis.call('ZREMRANGEBYSCORE', leases, '-inf', now) end
   return #gone
 end
-local function keep_until_last(leases, owners)
-  local last = redis.call('ZRANGE', leases, -1, -1, 'WITHSCORES')
+local function keep_until_last(base)
+  local last = redis.call('ZRANGE', base .. ':leases', -1, -1, 'WITHSCORES')
   if last[2] then
-    redis.call('PEXPIREAT', leases, last[2])
-    redis.call('PEXPIREAT', owners, last[2])
+    redis.call('PEXPIREAT', base .. ':leases', last[2])
+    redis.call('PEXPIREAT', base .. ':owners', last[2])
   end
 end
-local function holders(lease, leases, owners, now)
+local function holders(base, now)
   local out = {}
-  local _, rec = mutex_holder(lease)
+  local _, rec = mutex_holder(base)
   if rec then
     out[1] = rec
-    out[2] = now + redis.call('PTTL', lease)
+    out[2] = now + redis.call('PTTL', base .. ':lease')
   end
-  local live = redis.call('ZRANGEBYSCORE', leases, '(' .. now, '+inf', 'WITHSCORES')
+  local live = redis.call('ZRANGEBYSCORE', base .. ':leases', '(' .. now, '+inf', 'WITHSCORES')
   for i = 1, #live, 2 do
-    out[#out + 1] = redis.call('HGET', owners, live[i]) or ''
+    out[#out + 1] = redis.call('HGET', base .. ':owners', live[i]) or ''
     out[#out + 1] = live[i + 1]
   end
   return out
 end
-local function busy(lease, leases, owners, now)
-  local h = holders(lease, leases, owners, now)
+local function busy(base, now)
+  local h = holders(base, now)
   local best = 1
   for i = 3, #h, 2 do
     if tonumber(h[i + 1]) < tonumber(h[best + 1]) then best = i end
   end
-  return {0, #h / 2, h[best], tonumber(h[best + 1]), now}
+  return {#h / 2, h[best], tonumber(h[best + 1]), now}
 end
-local function take(lease, leases, owners, fence, owner, info, now, ttl, limit)
-  local holder, rec = mutex_holder(lease)
+-- a grant is the string "token:expires ms"; busy is a table (see ACQUIRE)
+local function take(base, owner, info, now, ttl, limit)
+  local holder, rec = mutex_holder(base)
   if holder == owner then
-    redis.call('PEXPIRE', lease, ttl)
-    return {1, token_of(rec), now + ttl}
+    redis.call('PEXPIRE', base .. ':lease', ttl)
+    return token_of(rec) .. ':' .. (now + ttl)
   end
   if limit == 1 then
-    if holder or redis.call('EXISTS', leases) == 1 then
-      return busy(lease, leases, owners, now)
-    end
-    local token = redis.call('INCR', fence)
-    redis.call('SET', lease, owner .. ':' .. token .. ':' .. now .. ':' .. info, 'PX', ttl)
-    return {1, token, now + ttl}
+    if holder or redis.call('EXISTS', base .. ':leases') == 1 then return busy(base, now) end
+    local token = redis.call('INCR', base .. ':fence')
+    redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
+               'PX', ttl)
+    return token .. ':' .. (now + ttl)
   end
-  drop_expired(leases, owners, now)
+  local leases, owners = base .. ':leases', base .. ':owners'
+  drop_expired(base, now)
   local expires = now + ttl
   local mine = redis.call('HGET', owners, owner)
   if mine then
     redis.call('ZADD', leases, expires, owner)
-    keep_until_last(leases, owners)
-    return {1, token_of(mine), expires}
+    keep_until_last(base)
+    return token_of(mine) .. ':' .. expires
   end
   local live = redis.call('ZCARD', leases) + (holder and 1 or 0)
-  if live >= limit then return busy(lease, leases, owners, now) end
-  local token = redis.call('INCR', fence)
+  if live >= limit then return busy(base, now) end
+  local token = redis.call('INCR', base .. ':fence')
   redis.call('ZADD', leases, expires, owner)
   redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
-  keep_until_last(leases, owners)
-  return {1, token, expires}
+  keep_until_last(base)
+  return token .. ':' .. expires
 end
-local function release(lease, leases, owners, owner, now)
-  if mutex_holder(lease) == owner then
-    redis.call('DEL', lease)
-    redis.call('PUBLISH', lease, '1')
+local function release(base, owner)
+  if mutex_holder(base) == owner then
+    redis.call('DEL', base .. ':lease')
+    redis.call('PUBLISH', base .. ':lease', '1')
     return 1
   end
-  local expires = redis.call('ZSCORE', leases, owner)
+  local expires = redis.call('ZSCORE', base .. ':leases', owner)
   if not expires then return 0 end
-  redis.call('ZREM', leases, owner)
-  redis.call('HDEL', owners, owner)
-  keep_until_last(leases, owners)
-  if tonumber(expires) <= now then return 0 end
-  redis.call('PUBLISH', lease, '1')
+  redis.call('ZREM', base .. ':leases', owner)
+  redis.call('HDEL', base .. ':owners', owner)
+  keep_until_last(base)
+  if tonumber(expires) <= now_ms() then return 0 end
+  redis.call('PUBLISH', base .. ':lease', '1')
   return 1
 end
 """
 
 # Take a slot of one name. A retried acquire by the same owner renews its own lease.
-# KEYS: lease string, leases zset, owners hash, fence counter.
-# ARGV: owner, owner_info, ttl ms, limit.
-# Returns {1, token, expires ms} or, when `limit` live holders exist,
-#         {0, live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
+# KEYS: the name's base key.  ARGV: owner, owner_info, ttl ms, limit (absent: 1).
+# Returns the string "token:expires ms", or, when `limit` live holders exist, the table
+#         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
 ACQUIRE = _LUA_HELPERS + """
-return take(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1], ARGV[2], now_ms(),
-            tonumber(ARGV[3]), tonumber(ARGV[4]))
+return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARGV[4] or '1'))
 """
 
 # Take every free name of a batch (limit 1 each) with one expiry for all.
-# KEYS: lease, leases, owners, fence of name 1, then of name 2, ...
-# ARGV: owner, owner_info, ttl ms.  Returns {expires ms, token or 0 (busy) per name}.
+# KEYS: base keys of the names.  ARGV: owner, owner_info, ttl ms.
+# Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
 CLAIM = _LUA_HELPERS + """
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 local out = {now + ttl}
-for i = 1, #KEYS, 4 do
-  local r = take(KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], ARGV[1], ARGV[2], now, ttl, 1)
-  out[#out + 1] = r[1] == 1 and r[2] or 0
+for i = 1, #KEYS do
+  local r = take(KEYS[i], ARGV[1], ARGV[2], now, ttl, 1)
+  out[i + 1] = type(r) == 'string' and tonumber(string.match(r, '^(%d+):')) or 0
 end
 return out
 """
 
-# End the owner's lease on a name and announce it on the channel named like the lease key.
-# KEYS: lease, leases, owners.  ARGV: owner.
+# End the owner's lease on a name and announce it on the channel "P{H}:lease".
+# KEYS: the name's base key.  ARGV: owner.
 # Returns 1 if the owner's lease was live, else 0. Never touches another owner's lease.
 RELEASE = _LUA_HELPERS + """
-return release(KEYS[1], KEYS[2], KEYS[3], ARGV[1], now_ms())
+return release(KEYS[1], ARGV[1])
 """
 
-# RELEASE for many names. KEYS: lease, leases, owners of name 1, then name 2, ...
-# ARGV: owner.  Returns how many of the owner's leases were live.
+# RELEASE for many names. KEYS: base keys of the names.  ARGV: owner.
+# Returns how many of the owner's leases were live.
 RELEASE_MANY = _LUA_HELPERS + """
-local now = now_ms()
 local count = 0
-for i = 1, #KEYS, 3 do count = count + release(KEYS[i], KEYS[i + 1], KEYS[i + 2], ARGV[1], now) end
+for i = 1, #KEYS do count = count + release(KEYS[i], ARGV[1]) end
 return count
 """
 
 # Move the owner's live lease to end ttl from now; the token is unchanged.
-# KEYS: lease, leases, owners.  ARGV: owner, ttl ms.
-# Returns {token, expires ms}, or nil if the owner holds no live lease.
+# KEYS: the name's base key.  ARGV: owner, ttl ms.
+# Returns "token:expires ms", or nil if the owner holds no live lease.
 EXTEND = _LUA_HELPERS + """
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
 local holder, rec = mutex_holder(KEYS[1])
 if holder == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  return {token_of(rec), now + ttl}
+  redis.call('PEXPIRE', KEYS[1] .. ':lease', ttl)
+  return token_of(rec) .. ':' .. (now + ttl)
 end
-local expires = redis.call('ZSCORE', KEYS[2], ARGV[1])
-rec = redis.call('HGET', KEYS[3], ARGV[1])
+local expires = redis.call('ZSCORE', KEYS[1] .. ':leases', ARGV[1])
+rec = redis.call('HGET', KEYS[1] .. ':owners', ARGV[1])
 if not expires or not rec or tonumber(expires) <= now then return nil end
-redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
-keep_until_last(KEYS[2], KEYS[3])
-return {token_of(rec), now + ttl}
+redis.call('ZADD', KEYS[1] .. ':leases', now + ttl, ARGV[1])
+keep_until_last(KEYS[1])
+return token_of(rec) .. ':' .. (now + ttl)
 """
 
-# Live holders of names, read-only. KEYS: lease, leases, owners of name 1, then name 2, ...
-# Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}; owner tokens stay inside.
+# Live holders of names, read-only. KEYS: base keys of the names.
+# Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}.
 INSPECT = _LUA_HELPERS + """
 local now = now_ms()
 local out = {now}
-for i = 1, #KEYS, 3 do out[#out + 1] = holders(KEYS[i], KEYS[i + 1], KEYS[i + 2], now) end
+for i = 1, #KEYS do out[i + 1] = holders(KEYS[i], now) end
 return out
 """
 
 # Drop every lease on one name, whoever holds it; the fence counter stays.
-# KEYS: lease, leases, owners.  Returns 1 if a live lease was dropped, else 0.
+# KEYS: the name's base key.  Returns 1 if a live lease was dropped, else 0.
 FORCE_RELEASE = _LUA_HELPERS + """
-local live = redis.call('EXISTS', KEYS[1], KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+local lease = KEYS[1] .. ':lease'
+local live = redis.call('EXISTS', lease, KEYS[1] .. ':leases')
+redis.call('DEL', lease, KEYS[1] .. ':leases', KEYS[1] .. ':owners')
 if live > 0 then
-  redis.call('PUBLISH', KEYS[1], '1')
+  redis.call('PUBLISH', lease, '1')
   return 1
 end
 return 0
@@ -227,11 +235,11 @@ return 0
 
 # Remove expired semaphore holders that live ones keep in the zset (mutex leases and zsets
 # whose holders all expired are already gone by PX / PEXPIREAT).
-# KEYS: leases, owners of name 1, then name 2, ...  Returns how many entries were removed.
+# KEYS: base keys of the names.  Returns how many entries were removed.
 PURGE = _LUA_HELPERS + """
 local now = now_ms()
 local count = 0
-for i = 1, #KEYS, 2 do count = count + drop_expired(KEYS[i], KEYS[i + 1], now) end
+for i = 1, #KEYS do count = count + drop_expired(KEYS[i], now) end
 return count
 """
 
@@ -259,6 +267,11 @@ _BATCH = 500  # names per script call in list() and purge_expired()
 
 def _dt(ms: int | float | str) -> datetime:
     return datetime.fromtimestamp(int(float(ms)) / 1000, tz=timezone.utc)
+
+
+def _grant(reply: str) -> Grant:
+    token, _, expires = reply.partition(":")
+    return Grant(int(token), _dt(expires))
 
 
 def _ttl_ms(ttl: float) -> int:
@@ -326,7 +339,7 @@ class RedisBackend(Backend):
             protocol=2,  # RESP2: works from Redis 5 on; pub/sub replies are plain arrays
             **ssl,
         )
-        register = self.client.register_script  # EVALSHA, EVAL-free; SCRIPT LOAD on NOSCRIPT
+        register = functools.partial(_Script, self.client)
         self._acquire = register(ACQUIRE)
         self._claim = register(CLAIM)
         self._release = register(RELEASE)
@@ -343,11 +356,12 @@ class RedisBackend(Backend):
     # -- keys ------------------------------------------------------------------------------
 
     def _base(self, name: str) -> str:
+        """``P{hex of the name's UTF-8}``: the KEYS entry of every script for ``name``."""
         return f"{self.prefix}{{{name.encode('utf-8').hex()}}}"
 
     def _keys(self, name: str) -> list[str]:
         """The lease string, leases zset, owners hash and fence counter of ``name``, all in
-        one cluster slot."""
+        one cluster slot (the first is also the channel its releases are published on)."""
         base = self._base(name)
         return [f"{base}:lease", f"{base}:leases", f"{base}:owners", f"{base}:fence"]
 
@@ -369,29 +383,39 @@ class RedisBackend(Backend):
         return sorted(n for n in names if n is not None and n.startswith(prefix))
 
     # -- leases ----------------------------------------------------------------------------
+    # acquire, release and extend catch errors inline: cheaper than translate() on hot paths.
 
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        with self.translate("acquire", _ERRORS):
-            reply = self._acquire(self._keys(name), [owner, owner_info, _ttl_ms(ttl), limit])
-        if int(reply[0]) == 1:
-            return Grant(int(reply[1]), _dt(reply[2]))
-        expires, now = int(reply[3]), int(reply[4])
-        return Busy(int(reply[1]), _holder(reply[2], expires), max(0, expires - now) / 1000)
+        args: list[str | int] = [owner, owner_info, _ttl_ms(ttl)]
+        if limit != 1:  # the script's default: one ARGV less on the hot path
+            args.append(limit)
+        try:
+            reply = self._acquire([self._base(name)], args)
+        except _ERRORS as exc:
+            self.unavailable(exc, "acquire")
+        if isinstance(reply, str):
+            return _grant(reply)
+        expires, now = int(reply[2]), int(reply[3])
+        return Busy(int(reply[0]), _holder(reply[1], expires), max(0, expires - now) / 1000)
 
     def release(self, name: str, owner: str) -> bool:
-        with self.translate("release", _ERRORS):
-            return int(self._release(self._keys(name)[:3], [owner])) == 1
+        try:
+            return int(self._release([self._base(name)], [owner])) == 1
+        except _ERRORS as exc:
+            self.unavailable(exc, "release")
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
-        with self.translate("extend", _ERRORS):
-            reply = self._extend(self._keys(name)[:3], [owner, _ttl_ms(ttl)])
-        return None if reply is None else Grant(int(reply[0]), _dt(reply[1]))
+        try:
+            reply = self._extend([self._base(name)], [owner, _ttl_ms(ttl)])
+        except _ERRORS as exc:
+            self.unavailable(exc, "extend")
+        return None if reply is None else _grant(reply)
 
     def inspect(self, name: str) -> LockInfo | None:
         with self.translate("inspect", _ERRORS):
-            reply = self._inspect(self._keys(name)[:3])
+            reply = self._inspect([self._base(name)])
         return _info(name, reply[1])
 
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
@@ -399,24 +423,22 @@ class RedisBackend(Backend):
             names = self._scan_names(prefix)
         for start in range(0, len(names), _BATCH):
             chunk = names[start : start + _BATCH]
-            keys = [key for n in chunk for key in self._keys(n)[:3]]
             with self.translate("list", _ERRORS):
-                reply = self._inspect(keys)
+                reply = self._inspect([self._base(n) for n in chunk])
             for n, flat in zip(chunk, reply[1:], strict=True):
                 if (info := _info(n, flat)) is not None:
                     yield info
 
     def force_release(self, name: str) -> bool:
         with self.translate("force_release", _ERRORS):
-            return int(self._force_release(self._keys(name)[:3])) == 1
+            return int(self._force_release([self._base(name)])) == 1
 
     def purge_expired(self) -> int:
         count = 0
         with self.translate("purge_expired", _ERRORS):
             names = self._scan_names("")
             for start in range(0, len(names), _BATCH):
-                keys = [k for n in names[start : start + _BATCH] for k in self._keys(n)[1:3]]
-                count += int(self._purge(keys))
+                count += int(self._purge([self._base(n) for n in names[start : start + _BATCH]]))
         return count
 
     # -- batch claims ----------------------------------------------------------------------
@@ -426,9 +448,8 @@ class RedisBackend(Backend):
     ) -> dict[str, Grant]:
         if not names:
             return {}
-        keys = [key for n in names for key in self._keys(n)]
         with self.translate("claim", _ERRORS):
-            reply = self._claim(keys, [owner, owner_info, _ttl_ms(ttl)])
+            reply = self._claim([self._base(n) for n in names], [owner, owner_info, _ttl_ms(ttl)])
         expires = _dt(reply[0])
         tokens = [int(t) for t in reply[1:]]
         return {n: Grant(t, expires) for n, t in zip(names, tokens, strict=True) if t > 0}
@@ -436,9 +457,8 @@ class RedisBackend(Backend):
     def release_many(self, names: Sequence[str], owner: str) -> int:
         if not names:
             return 0
-        keys = [key for n in names for key in self._keys(n)[:3]]
         with self.translate("release_many", _ERRORS):
-            return int(self._release_many(keys, [owner]))
+            return int(self._release_many([self._base(n) for n in names], [owner]))
 
     # -- versioned records -----------------------------------------------------------------
 
@@ -491,7 +511,7 @@ class RedisBackend(Backend):
             for script in (self._acquire, self._claim, self._release, self._release_many,
                            self._extend, self._inspect, self._force_release, self._purge,
                            self._record_set, self._record_delete):
-                script.sha = self.client.script_load(script.script)
+                self.client.script_load(script.text)
 
     def close(self) -> None:
         with self._listener_lock:
@@ -499,6 +519,26 @@ class RedisBackend(Backend):
                 self._listener.close()
             self._listener = None
         self.client.close()
+
+
+class _Script:
+    """A Lua script run with EVALSHA (its SHA1 computed here, no round trip), loaded with
+    SCRIPT LOAD only when the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH).
+
+    Leaner than redis-py's ``register_script`` on the hot path (~10 µs less per call).
+    """
+
+    def __init__(self, client: redis.Redis, text: str) -> None:
+        self.client = client
+        self.text = text
+        self.sha = hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+    def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
+        try:
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(self.text)
+            return self.client.evalsha(self.sha, len(keys), *keys, *args)
 
 
 class _Listener:
