@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
@@ -214,6 +215,19 @@ def connect_args(backend: Backend) -> dict[str, Any]:
     }
 
 
+def server_hung_up(conn: Any) -> bool:
+    """True if the server has closed (or written to) our idle connection: a restart, an idle
+    timeout or a KILL. No round trip: an idle MySQL connection has nothing to read."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
+
+
 def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
@@ -240,9 +254,12 @@ class MySQLBackend(Backend):
     # -- connection --------------------------------------------------------------------------
 
     def _connection(self) -> Any:
-        """The open connection; a new one after a failure or a fork (tables created on it)."""
+        """The open connection; a new one after a failure, a fork, or when the server closed
+        the idle one (restart, idle timeout, KILL). Tables are created on each new one."""
         if self._conn is not None and self._pid == os.getpid():
-            return self._conn
+            if not server_hung_up(self._conn):
+                return self._conn
+            self._drop()
         self._conn = None  # after fork: the parent's socket is not ours to use or close
         conn = pymysql.connect(
             **self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS

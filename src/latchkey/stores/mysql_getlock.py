@@ -41,7 +41,7 @@ from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, key_prefix
 from latchkey.errors import Unsupported
 from latchkey.stores.base import Backend, Capabilities
-from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, utc
+from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, server_hung_up, utc
 
 #: MySQL's limit on a user-level lock name (MariaDB accepts longer ones).
 MAX_KEY = 64
@@ -137,7 +137,9 @@ class GetLockBackend(Backend):
         """The session (call under the mutex). A new one after a failure or a fork starts
         with no locks: those of the old session died with it (or belong to the parent)."""
         if self._conn is not None and self._pid == os.getpid():
-            return self._conn
+            if not server_hung_up(self._conn):
+                return self._conn
+            self._lose_session()  # the server ended our session: its locks are gone
         self._conn, self._held = None, {}  # after fork: the parent's session, not ours
         self._conn = pymysql.connect(**self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
         self._pid = os.getpid()
@@ -166,9 +168,10 @@ class GetLockBackend(Backend):
         self.unavailable(exc, action)
 
     def _mine(self, key: str, owner: str) -> bool:
-        """True if ``owner`` took ``key`` through the current session (under the mutex)."""
-        if self._conn is None or self._pid != os.getpid():
-            self._held = {}
+        """True if ``owner`` took ``key`` through the current, still open session (under the
+        mutex). No round trip: a session the server ended shows as input on the idle socket."""
+        if self._conn is None or self._pid != os.getpid() or server_hung_up(self._conn):
+            self._lose_session()
             return False
         entry = self._held.get(key)
         return entry is not None and entry[0] == owner
@@ -220,21 +223,30 @@ class GetLockBackend(Backend):
         next extend returns None."""
         key = self.key(name)
         with self._mutex:
-            if not self._mine(key, owner):
+            entry = self._held.get(key)
+            if entry is None or entry[0] != owner:
+                return None
+            if not self._mine(key, owner):  # the session ended while idle
+                self._reachable(f"check the lock {name!r}")
                 return None
             try:
                 (holds,) = self._query(HOLDS, (key,))[0]
-            except DRIVER_ERRORS as exc:
+            except DRIVER_ERRORS:
                 self._lose_session()
-                try:
-                    self._connection()
-                except DRIVER_ERRORS:
-                    self._failed(exc, f"check the lock {name!r}")
+                self._reachable(f"check the lock {name!r}")
                 return None
-            if holds != 1:  # its session was killed and we reconnected, or force-released
+            if holds != 1:  # the session lives on but no longer holds it
                 del self._held[key]
                 return None
         return Grant(None, None)
+
+    def _reachable(self, action: str) -> None:
+        """Our session died: raise StoreUnavailable if the server cannot be reached either
+        (an outage); return if it can (the lock is lost: killed session, or a restart)."""
+        try:
+            self._connection()
+        except DRIVER_ERRORS as exc:
+            self._failed(exc, action)
 
     def inspect(self, name: str) -> LockInfo | None:
         key = self.key(name)

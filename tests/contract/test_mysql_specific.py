@@ -1,0 +1,471 @@
+"""What only the MySQL/MariaDB stores have to show: table layout, key hashing, failure modes.
+
+The shared semantics are tested by the rest of tests/contract on every store. Tests that stop
+a server start their own disposable one, so the shared server stays up for the others.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pymysql
+import pytest
+
+import latchkey
+from latchkey import ConfigError, LockLost, StoreUnavailable
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from latchkey.stores.mysql import MySQLBackend
+from latchkey.stores.mysql_getlock import GetLockBackend, lock_key
+from tests.conftest import ServerPool
+from tests.helpers import HOSTILE_NAMES
+from tests.servers import RunningServer, ServerUnavailable, mariadb, replace_scheme, with_query
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and not _selected & {"mysql", "mysql+getlock"}:
+    pytest.skip("no mysql row is selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+PASSWORD = "S3cret-pw;'x"
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"mysql: server required in CI but unavailable: {reason}")
+    pytest.skip(f"mysql: not run: {reason}")
+
+
+def _owner() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def base(server_pool: ServerPool) -> str:
+    """The shared server's mysql:// URL (no options)."""
+    try:
+        return server_pool.base_url("mysql")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise
+
+
+@pytest.fixture
+def table_url(base: str) -> str:
+    return with_query(base, table=f"t_{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def backend(table_url: str) -> Iterator[MySQLBackend]:
+    b = open_backend(table_url)
+    assert isinstance(b, MySQLBackend)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def getlock(base: str) -> Iterator[GetLockBackend]:
+    b = open_backend(with_query(replace_scheme(base, "mysql+getlock"), prefix="t:"))
+    assert isinstance(b, GetLockBackend)
+    yield b
+    b.close()
+
+
+def _root(url: str) -> pymysql.connections.Connection:  # type: ignore[type-arg]
+    b = open_backend(url)
+    assert isinstance(b, MySQLBackend)
+    return pymysql.connect(**b._connect_args)
+
+
+@pytest.fixture(scope="module")
+def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A private server that the fault tests stop and restart."""
+    try:
+        server = mariadb.start(tmp_path_factory.mktemp("mariadb"))
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise
+    yield server
+    server.stop()
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "query", ["table=x;drop", "table=1abc", f"table={'t' * 64}", "table=", "tabel=x"]
+)
+def test_bad_table_option_is_a_config_error(query: str) -> None:
+    with pytest.raises(ConfigError, match=r"table|tabel"):
+        open_backend(f"mysql://root@127.0.0.1:1/db?{query}")
+
+
+def test_a_database_is_required() -> None:
+    with pytest.raises(ConfigError, match="database"):
+        open_backend("mysql://root@127.0.0.1:1")
+    with pytest.raises(ConfigError, match="database"):
+        open_backend("mariadb://root@127.0.0.1:1/")
+
+
+def test_getlock_prefix_must_leave_room_for_names() -> None:
+    with pytest.raises(ConfigError, match="prefix"):
+        open_backend(f"mysql+getlock://root@127.0.0.1:1/db?prefix={'p' * 25}")
+    with pytest.raises(ConfigError, match="prefix"):
+        open_backend("mysql+getlock://root@127.0.0.1:1/db?prefix=a~b")
+
+
+# -- table layout ----------------------------------------------------------------------------
+
+
+def test_tables_and_names_as_utf8_bytes(backend: MySQLBackend, table_url: str) -> None:
+    backend.init()
+    grant = backend.acquire("ünï\x00", _owner(), INFO, 30)
+    assert isinstance(grant, Grant)
+    conn = _root(table_url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT name, slot, token FROM {backend.table}")
+            assert cur.fetchall() == (("ünï\x00".encode(), 0, grant.token),)
+            cur.execute(f"SELECT k, v FROM {backend.table}_meta")
+            assert dict(cur.fetchall()) == {"schema_version": 1}
+            cur.execute(
+                "SELECT table_name, engine FROM information_schema.tables "
+                "WHERE table_schema = DATABASE() AND table_name LIKE %s",
+                (backend.table + "%",),
+            )
+            assert {row[1] for row in cur.fetchall()} == {"InnoDB"}
+    finally:
+        conn.close()
+
+
+def test_tables_created_by_processes_starting_at_once(table_url: str) -> None:
+    backends = [open_backend(table_url) for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def first_use(b: latchkey.stores.Backend) -> None:
+        try:
+            b.acquire("x", _owner(), INFO, 30)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_use, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert len(backends[0].inspect("x").holders) == 1  # type: ignore[union-attr]
+    for b in backends:
+        b.close()
+
+
+@pytest.mark.parametrize("hostile", HOSTILE_NAMES)
+def test_hostile_names_round_trip(backend: MySQLBackend, hostile: str) -> None:
+    owner = _owner()
+    assert isinstance(backend.acquire(hostile, owner, INFO, 30), Grant)
+    info = backend.inspect(hostile)
+    assert info is not None and info.name == hostile
+    assert [i.name for i in backend.list(prefix=hostile)] == [hostile]
+    assert backend.release(hostile, owner) is True
+    assert backend.inspect(hostile) is None
+
+
+def test_lock_wait_timeout_is_a_lost_race_not_an_error(base: str) -> None:
+    """A row locked by a stalled transaction: acquire gives up as Busy(0) within the
+    session's innodb_lock_wait_timeout (half the store timeout), never StoreUnavailable."""
+    url = with_query(base, table=f"t_{uuid.uuid4().hex[:12]}", timeout="2s")
+    backend = open_backend(url)
+    backend.acquire("stalled", _owner(), INFO, 0.001)
+    conn = _root(url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            cur.execute(
+                f"SELECT * FROM {backend.config['table']} WHERE name = %s FOR UPDATE",
+                (b"stalled",),
+            )
+            started = time.monotonic()
+            result = backend.acquire("stalled", _owner(), INFO, 30)
+            assert isinstance(result, Busy) and result.holders == 0
+            assert time.monotonic() - started < 5
+            cur.execute("ROLLBACK")
+        assert isinstance(backend.acquire("stalled", _owner(), INFO, 30), Grant)
+    finally:
+        conn.close()
+        backend.close()
+
+
+def test_claim_that_loses_a_deadlock_takes_nothing(base: str) -> None:
+    """A claim chosen as a deadlock victim is rolled back whole: it reports nothing taken
+    (every name was contended just then) and raises nothing."""
+    url = with_query(base, table=f"t_{uuid.uuid4().hex[:12]}")
+    backend = open_backend(url)
+    backend.init()
+    table = backend.config["table"]
+    conn = _root(url)
+    result: list[object] = []
+    try:
+        with conn.cursor() as cur:
+            cur.execute("START TRANSACTION")
+            # A heavier transaction (many rows) is not the one InnoDB picks as the victim.
+            rows = [(f"junk{i}".encode(), _owner()) for i in range(200)]
+            cur.executemany(
+                f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+                "VALUES (%s, 0, %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+                rows,
+            )
+            cur.execute(
+                f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+                "VALUES ('b', 0, %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+                (_owner(),),
+            )
+            claimer = threading.Thread(
+                target=lambda: result.append(backend.claim(["a", "b"], _owner(), INFO, 30))
+            )
+            claimer.start()
+            time.sleep(0.5)  # the claim now holds 'a' and waits for 'b'
+            cur.execute(
+                f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+                "VALUES ('a', 0, %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+                (_owner(),),
+            )
+            claimer.join(timeout=30)
+            cur.execute("ROLLBACK")
+        assert result == [{}]
+    finally:
+        conn.close()
+        backend.close()
+
+
+def test_a_forked_child_uses_its_own_connection(backend: MySQLBackend) -> None:
+    owner = _owner()
+    assert isinstance(backend.acquire("forked", owner, INFO, 30), Grant)
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh connection; the parent's lease is not ours to release
+        code = 0
+        try:
+            backend.now()
+            code = 0 if backend.release("forked", _owner()) is False else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    backend.now()  # the parent's connection was neither used nor closed by the child
+    assert backend.release("forked", owner) is True
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_wrong_password_is_unavailable_and_never_shown(base: str) -> None:
+    user = f"lk_{uuid.uuid4().hex[:8]}"
+    database = base.rsplit("/", 1)[1].split("?")[0]
+    conn = _root(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"CREATE USER '{user}'@'%%' IDENTIFIED BY %s", (PASSWORD,))
+            cur.execute(f"GRANT ALL ON {database}.* TO '{user}'@'%'")
+    except pymysql.err.MySQLError as exc:
+        conn.close()
+        pytest.skip(f"cannot create a user on this server: {exc}")
+    try:
+        assert base.startswith("mysql://root@")
+        right = base.replace("root@", f"{user}:S3cret-pw%3B%27x@")  # PASSWORD, URL-quoted
+        wrong = base.replace("root@", f"{user}:Wr0ng-Secret%3B@")
+        for scheme in ("mysql", "mysql+getlock"):
+            url = replace_scheme(right, scheme)
+            good = latchkey.connect(with_query(url, table="t_pw") if scheme == "mysql" else url)
+            good.backend.now()
+            assert PASSWORD not in repr(good) and PASSWORD not in repr(good.backend)
+            good.close()
+            bad = latchkey.connect(replace_scheme(wrong, scheme))
+            with pytest.raises(StoreUnavailable) as caught:
+                bad.lock("x", ttl="1s", wait=0).acquire()
+            message = str(caught.value)
+            assert "Wr0ng-Secret" not in message and "Wr0ng-Secret" not in repr(caught.value)
+            assert "Access denied" in message
+            bad.close()
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f"DROP USER '{user}'@'%'")
+        conn.close()
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mysql+getlock"])
+def test_unreachable_port_is_unavailable(scheme: str) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    store = latchkey.connect(f"{scheme}://root@127.0.0.1:{port}/db?timeout=1s")
+    with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1"):
+        store.lock("x", ttl="1s", wait=0).acquire()
+    store.close()
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mysql+getlock"])
+def test_silent_server_times_out_within_the_timeout(scheme: str) -> None:
+    """A peer that accepts and never answers: StoreUnavailable after about ``timeout``."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        store = latchkey.connect(f"{scheme}://root@127.0.0.1:{port}/db?timeout=1s")
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            store.lock("x", ttl="1s", wait=0).acquire()
+        assert time.monotonic() - started < 4
+        store.close()
+
+
+def test_restart_keeps_leases_and_the_fencing_counter(own_server: RunningServer) -> None:
+    """Tokens keep increasing across release, purge and restart, even when every row was
+    deleted (AUTO_INCREMENT is persistent on MySQL 8 / MariaDB ≥ 10.2.4); a lease held
+    across the restart is still held, and never granted twice."""
+    url = with_query(own_server.url, table="restart", timeout="2s")
+    store, other = latchkey.connect(url), latchkey.connect(url)
+    seen = []
+    for _ in range(3):
+        with store.lock("fenced", ttl="30s") as lock:
+            seen.append(lock.token)
+    short = store.lock("gone", ttl="10ms")
+    short.acquire()
+    seen.append(short.token)
+    time.sleep(0.05)
+    store.purge_expired()
+    assert list(store.list()) == []  # every lease row is gone
+    holder = store.lock("held", ttl="60s")
+    holder.acquire()
+    seen.append(holder.token)
+    own_server.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            other.lock("held", ttl="60s", wait=0).acquire()
+    finally:
+        own_server.start()
+    assert other.lock("held", ttl="60s", wait=0).acquire() is False
+    with store.lock("fenced", ttl="30s", wait="5s") as lock:
+        assert lock.token is not None and lock.token > max(t for t in seen if t)
+    holder.extend()
+    assert holder.release() is True
+    store.close()
+    other.close()
+
+
+def test_getlock_session_lost_on_restart_is_lock_lost(own_server: RunningServer) -> None:
+    url = with_query(replace_scheme(own_server.url, "mysql+getlock"), timeout="2s")
+    store, other = latchkey.connect(url), latchkey.connect(url)
+    holder = store.lock("held", ttl="60s")
+    assert holder.acquire()
+    own_server.stop()
+    try:
+        with pytest.raises(StoreUnavailable):
+            holder.extend()
+    finally:
+        own_server.start()
+    with pytest.raises(LockLost):
+        holder.extend()  # never silently re-taken on the new connection
+    assert holder.release() is False
+    with other.lock("held", ttl="60s", wait="5s"):  # the server ended the old session's lock
+        pass
+    store.close()
+    other.close()
+
+
+# -- GET_LOCK keys ---------------------------------------------------------------------------
+
+
+def test_getlock_keys_fit_and_stay_readable() -> None:
+    assert lock_key("jobs:nightly", "app:") == "app:jobs:nightly"  # plain: as is
+    for name in ["x" * 255, "é" * 127, "Report 2024", "nul\x00inside", "a~b"]:
+        key = lock_key(name, "app:")
+        assert len(key) <= 64 and key.startswith("app:") and "~" in key
+    assert lock_key("x" * 255, "app:").startswith("app:xxxxxxxx")  # the stem stays readable
+    assert lock_key("x" * 60, "app:") == "app:" + "x" * 60  # exactly 64: still plain
+    assert "~" in lock_key("x" * 61, "app:")
+    # Names the server would confuse (case folded, cut at NUL) get distinct keys.
+    assert lock_key("Job", "") != lock_key("job", "")
+    assert lock_key("a\x00b", "") != lock_key("a\x00c", "") != lock_key("a", "")
+
+
+def test_getlock_names_the_server_would_confuse_are_distinct(getlock: GetLockBackend) -> None:
+    owners = {name: _owner() for name in ["Job", "job", "a\x00b", "a\x00c", "x" * 255, "x" * 254]}
+    for name, owner in owners.items():
+        assert isinstance(getlock.acquire(name, owner, INFO, 1), Grant), name
+    for name, owner in owners.items():
+        info = getlock.inspect(name)
+        assert info is not None and info.name == name
+        assert getlock.release(name, owner) is True
+
+
+def test_getlock_plain_key_is_visible_to_other_tools(getlock: GetLockBackend, base: str) -> None:
+    owner = _owner()
+    getlock.acquire("jobs:nightly", owner, INFO, 1)
+    conn = _root(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT IS_USED_LOCK('t:jobs:nightly') IS NOT NULL")
+            assert cur.fetchone() == (1,)
+    finally:
+        conn.close()
+    getlock.release("jobs:nightly", owner)
+
+
+def test_getlock_zero_is_busy_and_null_is_unavailable(
+    getlock: GetLockBackend, base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = open_backend(with_query(replace_scheme(base, "mysql+getlock"), prefix="t:"))
+    owner = _owner()
+    assert isinstance(getlock.acquire("held", owner, INFO, 1), Grant)
+    busy = other.acquire("held", _owner(), INFO, 1)  # GET_LOCK returned 0
+    assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
+    # An empty key makes GET_LOCK return NULL on MariaDB (an error on MySQL): unavailable,
+    # never busy.
+    monkeypatch.setattr(other, "key", lambda name: "")
+    with pytest.raises(StoreUnavailable):
+        other.acquire("anything", _owner(), INFO, 1)
+    other.close()
+    getlock.release("held", owner)
+
+
+def test_getlock_one_owner_cannot_use_anothers_lock_in_one_session(
+    getlock: GetLockBackend,
+) -> None:
+    first, second = _owner(), _owner()
+    assert isinstance(getlock.acquire("shared", first, INFO, 1), Grant)
+    assert isinstance(getlock.acquire("shared", second, INFO, 1), Busy)  # no re-entry
+    assert getlock.release("shared", second) is False
+    assert getlock.extend("shared", second, 1) is None
+    assert getlock.extend("shared", first, 1) == Grant(None, None)
+    assert getlock.release("shared", first) is True
+
+
+def test_getlock_force_release_ends_the_holders_session(
+    getlock: GetLockBackend, base: str
+) -> None:
+    holder = open_backend(with_query(replace_scheme(base, "mysql+getlock"), prefix="t:"))
+    owner = _owner()
+    assert isinstance(holder.acquire("victim", owner, INFO, 1), Grant)
+    assert getlock.force_release("victim") is True
+    assert holder.extend("victim", owner, 1) is None  # server reachable: the lock is lost
+    assert holder.release("victim", owner) is False
+    assert isinstance(getlock.acquire("victim", owner, INFO, 1), Grant)
+    holder.close()
+
+
+def test_getlock_claim_takes_the_free_and_releases_in_one_round_trip(
+    getlock: GetLockBackend, base: str
+) -> None:
+    other = open_backend(with_query(replace_scheme(base, "mysql+getlock"), prefix="t:"))
+    first, second = _owner(), _owner()
+    names = [f"c{i}" for i in range(50)]
+    assert set(getlock.claim(names[:10], first, INFO, 1)) == set(names[:10])
+    taken = other.claim(names, second, INFO, 1)
+    assert set(taken) == set(names[10:])
+    assert other.release_many(names, second) == 40
+    assert getlock.release_many(names, first) == 10
+    other.close()
