@@ -76,27 +76,25 @@ SELECT_VERSION = "SELECT value FROM {meta} WHERE key = 'schema_version'"
 
 # Inputs: name, owner, owner_info, ttl (s). A mutex is slot 0: takes it if free or expired
 # (the ON CONFLICT … WHERE re-checks expiry on the newest row version, so a live lease is
-# never taken over). Result: (true, token, expires_at, NULLs) when granted; else the live
-# holder (false, token, expires_at, owner_info, acquired_at, seconds left) from this
-# statement's snapshot; no row if the holder committed after the snapshot (a lost race).
+# never taken over). Result: (token, expires_at) when granted, no row when busy. Kept to one
+# plain INSERT so the uncontended path costs what a raw INSERT … ON CONFLICT does; the
+# holder is looked up (HOLDER) only when busy.
 ACQUIRE_MUTEX = """
-WITH taken AS (
-    INSERT INTO {locks} AS l (name, slot, owner, owner_info, token, acquired_at, expires_at)
-    VALUES (%(name)s, 0, %(owner)s, %(owner_info)s, nextval({fence_regclass}), now(),
-            now() + %(ttl)s::float8 * interval '1 second')
-    ON CONFLICT (name, slot) DO UPDATE SET
-        owner = excluded.owner, owner_info = excluded.owner_info, token = excluded.token,
-        acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-    WHERE l.expires_at <= now()
-    RETURNING l.token, l.expires_at
-)
-SELECT true, token, expires_at, NULL::text, NULL::timestamptz, NULL::float8 FROM taken
-UNION ALL (
-    SELECT false, token, expires_at, owner_info, acquired_at,
-           extract(epoch FROM expires_at - now())::float8
-    FROM {locks}
-    WHERE name = %(name)s AND slot = 0 AND expires_at > now() AND NOT EXISTS (SELECT FROM taken)
-)
+INSERT INTO {locks} AS l (name, slot, owner, owner_info, token, acquired_at, expires_at)
+VALUES (%(name)s, 0, %(owner)s, %(owner_info)s, nextval({fence_regclass}), now(),
+        now() + %(ttl)s::float8 * interval '1 second')
+ON CONFLICT (name, slot) DO UPDATE SET
+    owner = excluded.owner, owner_info = excluded.owner_info, token = excluded.token,
+    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+WHERE l.expires_at <= now()
+RETURNING l.token, l.expires_at
+"""
+
+# Input: name. The live holder of a mutex, for a Busy answer: (token, owner_info,
+# acquired_at, expires_at, seconds left); no row if it was released in between.
+HOLDER = """
+SELECT token, owner_info, acquired_at, expires_at, extract(epoch FROM expires_at - now())::float8
+FROM {locks} WHERE name = %(name)s AND slot = 0 AND expires_at > now()
 """
 
 # Inputs: name, owner, owner_info, ttl (s), limit. A semaphore: takes the lowest free slot
@@ -132,15 +130,12 @@ LEFT JOIN taken ON true
 LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON true
 """
 
-# Inputs: name, owner, channel. Deletes owner's row of ``name`` (live or expired) and
-# notifies waiters. Result: whether the deleted lease was still live (False if none).
+# Inputs: name, owner, channel. Deletes owner's row of ``name`` (live or expired; an owner
+# token holds at most one slot) and notifies waiters when the transaction commits.
+# Result: whether the deleted lease was still live; no row if there was none.
 RELEASE = """
-WITH gone AS (
-    DELETE FROM {locks} WHERE name = %(name)s AND owner = %(owner)s
-    RETURNING name, expires_at > now() AS live
-)
-SELECT coalesce(bool_or(live), false)
-FROM (SELECT live, pg_notify(%(channel)s, encode(name, 'hex')) FROM gone) AS notified
+DELETE FROM {locks} WHERE name = %(name)s AND owner = %(owner)s
+RETURNING expires_at > now(), pg_notify(%(channel)s, encode(name, 'hex'))
 """
 
 # Inputs: name, owner, ttl. Moves the expiry of owner's *live* lease; the token stays.
@@ -167,14 +162,10 @@ ORDER BY name, acquired_at, slot
 """
 
 # Inputs: name, channel. Deletes every lease of ``name`` whoever holds it and notifies
-# waiters. Result: whether a live one was dropped.
+# waiters. Result: one row per lease dropped, true if it was live.
 FORCE_RELEASE = """
-WITH gone AS (
-    DELETE FROM {locks} WHERE name = %(name)s
-    RETURNING name, expires_at > now() AS live
-)
-SELECT coalesce(bool_or(live), false)
-FROM (SELECT live, pg_notify(%(channel)s, encode(name, 'hex')) FROM gone) AS notified
+DELETE FROM {locks} WHERE name = %(name)s
+RETURNING expires_at > now(), pg_notify(%(channel)s, encode(name, 'hex'))
 """
 
 # Deletes expired rows (rows being taken over right now are skipped, not waited for; rows
@@ -246,8 +237,8 @@ SELECT EXISTS (SELECT 1 FROM gone)
 NOW = "SELECT now()"
 
 STATEMENTS: Mapping[str, str] = {
-    "acquire_mutex": ACQUIRE_MUTEX, "acquire_slot": ACQUIRE_SLOT, "release": RELEASE,
-    "extend": EXTEND, "inspect": INSPECT,
+    "acquire_mutex": ACQUIRE_MUTEX, "holder": HOLDER, "acquire_slot": ACQUIRE_SLOT,
+    "release": RELEASE, "extend": EXTEND, "inspect": INSPECT,
     "list": LIST, "force_release": FORCE_RELEASE, "purge": PURGE, "claim": CLAIM,
     "release_many": RELEASE_MANY, "record_get": RECORD_GET, "record_insert": RECORD_INSERT,
     "record_update": RECORD_UPDATE, "record_delete": RECORD_DELETE, "now": NOW,
@@ -611,11 +602,12 @@ class PostgreSQLBackend(Backend):
                   "ttl": float(ttl), "limit": limit}
         if limit == 1:
             rows, _ = self._run(f"acquire {name!r}", "acquire_mutex", params)
+            if rows:
+                return Grant(token=rows[0][0], expires_at=utc(rows[0][1]))
+            rows, _ = self._run(f"acquire {name!r}", "holder", {"name": params["name"]})
             if not rows:
-                return Busy(holders=0)  # taken by someone who committed after our snapshot
-            granted, token, expires, info, acquired, left = rows[0]
-            if granted:
-                return Grant(token=token, expires_at=utc(expires))
+                return Busy(holders=0)  # released in between: the core retries at once
+            token, info, acquired, expires, left = rows[0]
             return Busy(holders=1, holder=holder(token, info, acquired, expires),
                         retry_after=max(0.0, left))
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
@@ -629,7 +621,7 @@ class PostgreSQLBackend(Backend):
     def release(self, name: str, owner: str) -> bool:
         params = {"name": name.encode(), "owner": owner, "channel": self.channel}
         rows, _ = self._run(f"release {name!r}", "release", params)
-        return bool(rows[0][0])
+        return bool(rows and rows[0][0])
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         params = {"name": name.encode(), "owner": owner, "ttl": float(ttl)}
@@ -663,7 +655,7 @@ class PostgreSQLBackend(Backend):
     def force_release(self, name: str) -> bool:
         params = {"name": name.encode(), "channel": self.channel}
         rows, _ = self._run(f"force-release {name!r}", "force_release", params)
-        return bool(rows[0][0])
+        return any(live for live, _ in rows)
 
     def purge_expired(self) -> int:
         _, count = self._run("purge expired leases", "purge", {})
