@@ -48,7 +48,7 @@ class Claim:
         self.duplicates = duplicates
         if duplicates:
             log.warning(
-                "latchkey: claim of %d names had %d duplicates (claimed once each): %r",
+                "claim of %d names had %d duplicates (claimed once each): %r",
                 len(ordered),
                 len(duplicates),
                 duplicates[:5],

@@ -181,7 +181,11 @@ class Lock:
         grant = self.store.backend.extend(self.name, self._owner, ttl_s)
         with self._state:
             if grant is None:
-                self._lost_reason = "the store no longer has our lease (expired or released)"
+                self._lost_reason = (
+                    "the store no longer has our lease (its session ended)"
+                    if self.store.backend.capabilities.session_tied
+                    else "the store no longer has our lease (expired or released)"
+                )
                 raise LockLost(f"{self.kind} {self.name!r} was lost: {self._lost_reason}")
             self._granted(grant, sent, ttl_s)
 
@@ -215,7 +219,7 @@ class Lock:
 
     def _mark_lost(self, reason: str) -> None:
         with self._state:
-            if self._owner is not None:
+            if self._owner is not None and self._lost_reason is None:
                 self._lost_reason = reason
 
     def _seconds_left(self) -> float:

@@ -61,7 +61,7 @@ class Renewer:
                 if left <= 0:
                     lease._mark_lost(f"could not renew before the lease ended: {exc}")
                     return
-                log.warning("latchkey: renewing %r failed, retrying: %s", lease.name, exc)
+                log.warning("renewing %r failed, retrying: %s", lease.name, exc)
                 delay = min(self._interval, max(left / 4, 0.05))
             finally:
                 del lease

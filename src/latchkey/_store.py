@@ -223,7 +223,7 @@ class Store:
                 started = time.monotonic()
                 if not lock.acquire():
                     log.info(
-                        "latchkey: skipped %s: %r is %s",
+                        "skipped %s: %r is %s",
                         fn.__qualname__,
                         name,
                         describe_holder(lock.holder),
@@ -333,11 +333,11 @@ def _finish_singleton(lock: Lock, keep: float) -> None:
     """Release the singleton's lock, or shorten it to end ``keep`` seconds from now."""
     if keep <= 0.001 or not lock.store.capabilities.ttl:
         if not lock.release():
-            log.warning("latchkey: %r expired while the job ran (at_most too short?)", lock.name)
+            log.warning("%r expired while the job ran (at_most too short?)", lock.name)
         return
     try:
         lock.extend(keep)
     except LockLost:
-        log.warning("latchkey: %r expired while the job ran (at_most too short?)", lock.name)
+        log.warning("%r expired while the job ran (at_most too short?)", lock.name)
     lock._stop_renewer()
     lock._forget()  # keep the lease in the store until at_least has passed

@@ -121,7 +121,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(words)
     if args.command == "run":
         if args.cmd:
-            parser.error(f"run: put -- before the command: latchkey run NAME -- {args.cmd[0]} …")
+            return _fail(
+                EX_CONFIG,
+                f"run: put -- before the command: latchkey run NAME -- {args.cmd[0]} … "
+                "(see latchkey run --help)",
+            )
         args.cmd = command
     elif command:
         parser.error(f"{args.command}: unexpected command after --")
@@ -136,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EX_CONFIG, str(exc))
     except StoreUnavailable as exc:
         return _fail(EX_UNAVAILABLE, str(exc))
-    except Unsupported as exc:
-        return _fail(EX_UNAVAILABLE, str(exc))
+    except Unsupported as exc:  # the store chosen by the URL cannot do this: a config matter
+        return _fail(EX_CONFIG, str(exc))
     except LatchkeyError as exc:
         return _fail(EX_SOFTWARE, str(exc))
     except KeyboardInterrupt:
