@@ -71,6 +71,9 @@ local function mutex_holder(base)
   return string.sub(v, 1, sep - 1), string.sub(v, sep + 1)
 end
 local function token_of(rec) return tonumber(string.match(rec, '^(%d+):')) end
+local function live_members(base, now)  -- not EXISTS: a key outlives its last score by 1 ms
+  return redis.call('ZCOUNT', base .. ':leases', '(' .. now, '+inf')
+end
 local function drop_expired(base, now)
   local leases, owners = base .. ':leases', base .. ':owners'
   local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
@@ -115,7 +118,7 @@ local function take(base, owner, info, now, ttl, limit)
     return token_of(rec) .. ':' .. (now + ttl)
   end
   if limit == 1 then
-    if holder or redis.call('EXISTS', base .. ':leases') == 1 then return busy(base, now) end
+    if holder or live_members(base, now) > 0 then return busy(base, now) end
     local token = redis.call('INCR', base .. ':fence')
     redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
                'PX', ttl)
@@ -224,7 +227,7 @@ return out
 # KEYS: the name's base key.  Returns 1 if a live lease was dropped, else 0.
 FORCE_RELEASE = _LUA_HELPERS + """
 local lease = KEYS[1] .. ':lease'
-local live = redis.call('EXISTS', lease, KEYS[1] .. ':leases')
+local live = redis.call('EXISTS', lease) + live_members(KEYS[1], now_ms())
 redis.call('DEL', lease, KEYS[1] .. ':leases', KEYS[1] .. ':owners')
 if live > 0 then
   redis.call('PUBLISH', lease, '1')
@@ -493,8 +496,8 @@ class RedisBackend(Backend):
         with self._listener_lock:
             current = self._listener
             if current is None or current.error is not None or current.pid != os.getpid():
-                if current is not None and current.pid == os.getpid():
-                    current.close()
+                if current is not None:
+                    current.close()  # in a forked child this only closes the inherited fd
                 pool = self.client.connection_pool
                 conn = pool.connection_class(**pool.connection_kwargs)
                 self._listener = current = _Listener(conn)
@@ -515,7 +518,7 @@ class RedisBackend(Backend):
 
     def close(self) -> None:
         with self._listener_lock:
-            if self._listener is not None and self._listener.pid == os.getpid():
+            if self._listener is not None:
                 self._listener.close()
             self._listener = None
         self.client.close()
