@@ -7,6 +7,7 @@ or misconfigure a server start their own disposable one, so the shared server st
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import uuid
@@ -344,6 +345,40 @@ def test_unreachable_server_fails_within_the_timeout() -> None:
     with pytest.raises(StoreUnavailable, match="subscribe failed"):
         store.backend.subscribe("n")
     assert time.monotonic() - started < 3
+
+
+def test_a_hung_server_times_out_and_the_next_call_reconnects(own_server: RunningServer) -> None:
+    backend = open_backend(f"{own_server.url}?timeout=0.5")
+    try:
+        assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+        os.kill(own_server.pid, signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            for call in (
+                lambda: backend.acquire("m", "b" * 32, INFO, 30),
+                lambda: backend.subscribe("n"),
+                lambda: list(backend.list()),
+            ):
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable, match="Timeout"):
+                    call()
+                assert time.monotonic() - started < 2
+        finally:
+            os.kill(own_server.pid, signal.SIGCONT)
+        assert backend.release("n", "a" * 32) is True
+    finally:
+        backend.close()
+
+
+def test_db_number_comes_from_the_path(own_server: RunningServer) -> None:
+    base = own_server.url.rsplit("/", 1)[0]
+    backend = open_backend(f"{base}/3?prefix=p:")
+    try:
+        backend.acquire("n", "a" * 32, INFO, 30)
+        with redis.Redis(port=own_server.port, db=3) as db3, redis.Redis(port=own_server.port) as db0:
+            assert db3.exists(backend._keys("n")[0]) == 1
+            assert db0.dbsize() == 0
+    finally:
+        backend.close()
 
 
 def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
