@@ -374,7 +374,8 @@ def test_db_number_comes_from_the_path(own_server: RunningServer) -> None:
     backend = open_backend(f"{base}/3?prefix=p:")
     try:
         backend.acquire("n", "a" * 32, INFO, 30)
-        with redis.Redis(port=own_server.port, db=3) as db3, redis.Redis(port=own_server.port) as db0:
+        port = own_server.port
+        with redis.Redis(port=port, db=3) as db3, redis.Redis(port=port) as db0:
             assert db3.exists(backend._keys("n")[0]) == 1
             assert db0.dbsize() == 0
     finally:
