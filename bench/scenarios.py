@@ -256,3 +256,42 @@ def scenario_claim(key: str, env: dict[str, str], count: int, tag: str) -> dict[
         }  # fmt: skip
     finally:
         subject.close()
+
+
+def _pairs_for(subject: Subject, name: str, seconds: float) -> float:
+    pairs, started = 0, time.perf_counter()
+    while pairs < 100_000 and time.perf_counter() - started < seconds:
+        h = subject.make(name)
+        if not h.acquire(5):
+            raise RuntimeError("uncontended acquire failed")
+        h.release()
+        pairs += 1
+    return pairs / (time.perf_counter() - started)
+
+
+def scenario_a_paired(ours: str, theirs: str, env: dict[str, str], slices: int,
+                      seconds: float, tag: str) -> dict[str, Any]:  # fmt: skip
+    """A for a target: latchkey and its raw baseline alternate in short slices (ABBA order)
+    in one process, so both see the same machine load; one ratio per pair of slices."""
+    a, b = build(ours, env), build(theirs, env)
+    try:
+        name = f"ap:{tag}"
+        _pairs_for(a, name, 0.3)  # warm up both
+        _pairs_for(b, name + ":raw", 0.3)
+        ratios, ours_rates, theirs_rates = [], [], []
+        for i in range(slices):
+            if i % 2 == 0:
+                x = _pairs_for(a, name, seconds)
+                y = _pairs_for(b, name + ":raw", seconds)
+            else:
+                y = _pairs_for(b, name + ":raw", seconds)
+                x = _pairs_for(a, name, seconds)
+            ours_rates.append(x)
+            theirs_rates.append(y)
+            ratios.append(x / y)
+        med = statistics.median
+        return {"ratio": med(ratios), "ratios": ratios,
+                "latchkey": med(ours_rates), "raw": med(theirs_rates)}  # fmt: skip
+    finally:
+        a.close()
+        b.close()

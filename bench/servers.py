@@ -57,7 +57,6 @@ def enable_pg_stat_statements(srv: RunningServer) -> None:
 
     with psycopg.connect(srv.url, autocommit=True) as conn:
         conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
-        conn.execute("ALTER SYSTEM SET pg_stat_statements.track_utility = off")
     srv.stop()
     srv.start()
     with psycopg.connect(srv.url, autocommit=True) as conn:
@@ -72,7 +71,9 @@ def counters(server: str, env: dict[str, str]) -> Counter[str]:
         r = redis.Redis.from_url(env["redis"])
         try:
             stats = r.info("commandstats")
-            return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()})
+            out = Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()})
+            out["(server time, µs)"] = sum(int(v["usec"]) for v in stats.values())
+            return out
         finally:
             r.close()
     if server == "postgresql":
