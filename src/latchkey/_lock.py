@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Mapping
@@ -10,7 +11,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from latchkey._durations import format_duration, parse_ttl, parse_wait
-from latchkey._owner import Owner, new_owner_token
+from latchkey._owner import current_owner_json, new_owner_token
 from latchkey._renew import Renewer
 from latchkey._types import Busy, Grant, Holder
 from latchkey._waiting import wait_for
@@ -68,6 +69,7 @@ class Lock:
         self.wait = parse_wait(wait)
         self.renew = bool(renew)
         self.metadata = dict(metadata)
+        self._metadata_json = json.dumps(self.metadata, sort_keys=True) if self.metadata else ""
         self.limit = limit
         #: Fencing token of the current lease (None when not held or the store has no fencing).
         self.token: int | None = None
@@ -129,7 +131,7 @@ class Lock:
         wait_s = self.wait if wait is _UNSET else parse_wait(wait)
         backend = self.store.backend
         owner = new_owner_token()
-        owner_info = Owner.current(self.metadata).to_json()
+        owner_info = current_owner_json(self._metadata_json)
         sent = 0.0
 
         def attempt() -> Grant | Busy:

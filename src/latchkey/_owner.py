@@ -95,6 +95,23 @@ class Owner:
         return f"{self.pid}@{self.host}" if self.host or self.pid else "unknown"
 
 
+_owner_json_cache: dict[tuple[int, int, str, str], str] = {}
+
+
+def current_owner_json(metadata_json: str = "") -> str:
+    """``Owner.current(metadata).to_json()``, cached per process, thread and metadata: it is
+    computed on every acquire. ``metadata_json`` is the caller's metadata as canonical JSON."""
+    thread = threading.current_thread()
+    key = (os.getpid(), thread.ident or 0, thread.name, metadata_json)
+    text = _owner_json_cache.get(key)
+    if text is None:
+        if len(_owner_json_cache) > 1024:
+            _owner_json_cache.clear()
+        metadata = json.loads(metadata_json) if metadata_json else None
+        text = _owner_json_cache[key] = Owner.current(metadata).to_json()
+    return text
+
+
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``metadata=`` dict must be JSON-serialisable; say so clearly when it is not."""
     if metadata is None:

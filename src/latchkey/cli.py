@@ -57,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     url_help = "store URL (default: $LATCHKEY_URL, else SQLite in the user's state directory)"
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--url", default=argparse.SUPPRESS, help=url_help)
     parser = _Parser(
         prog="latchkey",
