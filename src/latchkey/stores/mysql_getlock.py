@@ -17,6 +17,9 @@ GET_LOCK is re-entrant per session, and every thread of a process shares the ses
 backend keeps a local map ``key -> (owner, owner_info)``: one owner can neither take nor
 release another owner's lock through the shared session.
 
+A blocked acquire waits in the server: its waiter runs ``GET_LOCK(key, t)`` on a connection
+of its own and hands the lock straight back, only to learn the moment it was released (push).
+
 Not offered: semaphores (``inspect`` could not enumerate slot keys without knowing the
 limit), listing and purging (the server exposes lock keys, not names, and only through
 optional instrumentation), versioned records.
@@ -29,18 +32,18 @@ import hashlib
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
 import pymysql
-from pymysql.constants import CLIENT
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, key_prefix
 from latchkey.errors import Unsupported
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import Backend, Capabilities, Waiter
 from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, server_hung_up, utc
 
 #: MySQL's limit on a user-level lock name (MariaDB accepts longer ones).
@@ -50,14 +53,12 @@ _PLAIN = re.compile(r"^[a-z0-9_:./-]+$")
 _UNREADABLE = re.compile(r"[^a-z0-9_:./-]")
 HASH_HEX = 24  # 96 bits of SHA-256
 
-# Tries the lock without waiting. In: key. Out: 1 taken, 0 busy, NULL error (the session was
-# killed, out of memory); when busy, the holding connection's id and client host (NULL if our
-# user may not see that connection in the process list).
+# Tries the lock without waiting. In: key. Out, one column (the simple CASE evaluates GET_LOCK
+# once): 0 taken; the holding connection's id when busy; -1 busy but released in between;
+# NULL when GET_LOCK failed (session killed, out of memory). A process-list look-up here would
+# cost more than the lock itself, so only inspect() names the holder's client host.
 TRY_LOCK = """
-SET @lk_got = GET_LOCK(%(key)s, 0);
-SELECT @lk_got, IF(@lk_got = 0, IS_USED_LOCK(%(key)s), NULL),
-       IF(@lk_got = 0, (SELECT HOST FROM information_schema.PROCESSLIST
-                         WHERE ID = IS_USED_LOCK(%(key)s)), NULL)"""
+SELECT CASE GET_LOCK(%(key)s, 0) WHEN 1 THEN 0 WHEN 0 THEN IFNULL(IS_USED_LOCK(%(key)s), -1) END"""
 # Ends the lock if this session holds it. Out: 1 released, 0 held by another session, NULL
 # no such lock.
 RELEASE_LOCK = "SELECT RELEASE_LOCK(%s)"
@@ -76,6 +77,10 @@ CLAIM_CALL = "GET_LOCK(%s, 0)"
 RELEASE_MANY = "SELECT {calls}"
 RELEASE_CALL = "RELEASE_LOCK(%s)"
 NOW = "SELECT UTC_TIMESTAMP(6)"
+# A waiter's wake-up, on its own connection. In: key, seconds, key. Blocks server-side until
+# the key is free (or the time is up), then gives it straight back in the same row: the
+# waiter never keeps it, it only learns the moment it was released. Out: 1 woken, 0 timed out.
+WAIT_FREE = "SELECT GET_LOCK(%s, %s), RELEASE_LOCK(%s)"
 
 
 def getlock_prefix(text: str) -> str:
@@ -105,7 +110,7 @@ class GetLockBackend(Backend):
         fencing=False,
         durable=False,
         listing=False,
-        push=False,
+        push=True,
         semaphores=False,
         claims=True,
         records=False,
@@ -141,7 +146,7 @@ class GetLockBackend(Backend):
                 return self._conn
             self._lose_session()  # the server ended our session: its locks are gone
         self._conn, self._held = None, {}  # after fork: the parent's session, not ours
-        self._conn = pymysql.connect(**self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        self._conn = pymysql.connect(**self._connect_args)
         self._pid = os.getpid()
         return self._conn
 
@@ -189,17 +194,17 @@ class GetLockBackend(Backend):
                 self._connection()
                 if key in self._held:  # ours already, for another owner: re-entry would succeed
                     return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
-                got, holder_id, host = self._query(TRY_LOCK, {"key": key})[0]
+                (outcome,) = self._query(TRY_LOCK, {"key": key})[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"acquire {name!r}")
-            if got is None:
+            if outcome is None:
                 self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
-            if int(got) == 1:
+            if int(outcome) == 0:
                 self._held[key] = (owner, owner_info)
                 return Grant(None, None)
-        if holder_id is None:
+        if int(outcome) < 0:
             return Busy(0)  # released between our attempt and the look-up: retry at once
-        return Busy(1, _other_holder(holder_id, host))
+        return Busy(1, _other_holder(outcome, None))
 
     def release(self, name: str, owner: str) -> bool:
         key = self.key(name)
@@ -334,7 +339,12 @@ class GetLockBackend(Backend):
                 del self._held[key]
             return sum(1 for released in row if released == 1)
 
-    # -- health, lifecycle ---------------------------------------------------------------------
+    # -- waiting, health, lifecycle ------------------------------------------------------------
+
+    def subscribe(self, name: str) -> Waiter:
+        """A waiter that blocks in the server (GET_LOCK with a timeout, on a connection of its
+        own) until the holder releases, so a blocked acquire wakes at once, not at a poll."""
+        return _FreeWaiter(self, self.key(name))
 
     def now(self) -> datetime:
         with self._mutex:
@@ -357,6 +367,43 @@ class GetLockBackend(Backend):
 
 
 UNKNOWN_THREAD = 1094  # KILL of a connection that no longer exists
+
+
+class _FreeWaiter(Waiter):
+    """Wakes when a key is released: GET_LOCK(key, t) then RELEASE_LOCK on its own connection,
+    opened on the first wait (only contended acquires pay for it) and closed with the wait."""
+
+    def __init__(self, backend: GetLockBackend, key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self._conn: Any = None
+
+    def wait(self, timeout: float) -> bool:
+        started = time.monotonic()
+        # A server-side wait never outlasts the connection's read timeout (one second more).
+        seconds = max(0.0, min(timeout, self.backend.timeout))
+        try:
+            if self._conn is None:
+                args = dict(self.backend._connect_args)
+                args["read_timeout"] = self.backend.timeout + 1.0
+                self._conn = pymysql.connect(**args)
+            with self._conn.cursor() as cur:
+                cur.execute(WAIT_FREE, (self.key, seconds, self.key))
+                row = cur.fetchone()
+        except DRIVER_ERRORS:
+            self.close()  # a wake-up hint only: the next acquire reports the failure
+            row = None
+        if row is not None and row[0] == 1:
+            return True
+        # Timed out, or the server rounds timeouts to whole seconds (MySQL): sleep the rest.
+        time.sleep(max(0.0, timeout - (time.monotonic() - started)))
+        return False
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
 
 
 def _other_holder(connection_id: Any, host: Any) -> Holder:
