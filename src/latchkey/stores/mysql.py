@@ -112,6 +112,17 @@ VALUES (%(name)s, 0, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 {LIVE_OF}"""
 
+# Mutex acquire on MariaDB (≥ 10.5 has INSERT … RETURNING): the same upsert returns the row as
+# it now stands, ours (taken) or the live holder's (busy: a mutex has one), so the read-back
+# statement and its result set are saved (about a third of the acquire's time here).
+ACQUIRE_RETURNING = f"""
+INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
+VALUES (%(name)s, 0, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
+        UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED}
+RETURNING CONCAT_WS(CHAR(9 USING utf8mb4), owner = %(owner)s, token, expires_at, acquired_at,
+                    TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)"""
+
 # Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the
 # lowest free slot below the limit (an expired row, or a missing slot number); that is only
 # a hint: the upsert takes it only if it is still free, and when none was free it targets
@@ -251,6 +262,7 @@ class MySQLBackend(Backend):
         self._sql = {key: sql.replace("{t}", self.table) for key, sql in _STATEMENTS.items()}
         self._conn: Any | None = None
         self._pid = 0
+        self._mariadb = False  # learnt at connect: MariaDB has INSERT … RETURNING
         self._mutex = threading.Lock()
 
     # -- connection --------------------------------------------------------------------------
@@ -274,6 +286,7 @@ class MySQLBackend(Backend):
             conn.close()
             raise
         self._conn, self._pid = conn, os.getpid()
+        self._mariadb = "mariadb" in str(conn.get_server_info()).lower()
         return conn
 
     def _drop(self) -> None:
@@ -326,7 +339,7 @@ class MySQLBackend(Backend):
             "name": name.encode(), "owner": owner, "info": owner_info,
             "ttl_us": _us(ttl), "limit": limit,
         }
-        rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
+        rows = self._contended("acquire", self._acquire_statement(limit), params)
         if rows is None:
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
@@ -338,6 +351,12 @@ class MySQLBackend(Backend):
         _, token, expires, acquired, micros, info = leases[0]
         holder = Holder(int(token), Owner.from_json(info), _datetime(acquired), _datetime(expires))
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
+
+    def _acquire_statement(self, limit: int) -> str:
+        """The statement for this limit; RETURNING once we know the server is MariaDB."""
+        if limit > 1:
+            return "acquire_slot"
+        return "acquire_returning" if self._mariadb else "acquire"
 
     def release(self, name: str, owner: str) -> bool:
         return self._call("release", "release", (name.encode(), owner))[1] > 0
@@ -431,6 +450,7 @@ class MySQLBackend(Backend):
 _STATEMENTS: Mapping[str, str] = {
     "acquire": ACQUIRE,
     "acquire_slot": ACQUIRE_SLOT,
+    "acquire_returning": ACQUIRE_RETURNING,
     "claim": CLAIM,
     "release": RELEASE,
     "release_many": RELEASE_MANY,
