@@ -28,7 +28,8 @@ import hashlib
 import math
 import os
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -489,8 +490,8 @@ class RedisBackend(Backend):
         channel = self._keys(name)[0]
         with self.translate("subscribe", _ERRORS):
             listener = self._get_listener()
-            event = listener.add(channel, self.timeout)
-        return _PushWaiter(listener, channel, event)
+            slot = listener.add(channel, self.timeout)
+        return _PushWaiter(listener, channel, slot)
 
     def _get_listener(self) -> _Listener:
         with self._listener_lock:
@@ -544,41 +545,79 @@ class _Script:
             return self.client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-class _Listener:
-    """One pub/sub connection shared by every waiter of a backend, read by a daemon thread.
+class _Slot:
+    """One waiter's mailbox: set when a release of its name was announced."""
 
-    Replies to SUBSCRIBE/UNSUBSCRIBE come back in order on the connection, so each command
-    gets a sequence number and a subscriber waits until the reader has counted the reply to
-    its own SUBSCRIBE: only then is the server sure to deliver the next PUBLISH. A channel is
-    unsubscribed when its last waiter closes. If the connection fails, every waiter is woken
-    (its next acquire reports the error or succeeds) and the next subscribe opens a new one.
+    __slots__ = ("woke",)
+
+    def __init__(self) -> None:
+        self.woke = False
+
+
+class _Listener:
+    """One pub/sub connection shared by every waiter of a backend, with no thread of its own.
+
+    Whoever waits reads: the first waiting thread becomes the reader and blocks on the socket
+    itself, so the usual hand-off (one waiter) costs no thread switch; it sets the mailboxes
+    of the other waiters (who sleep on a condition) as messages come, and when its own wait
+    ends another waiter takes over reading. Messages that arrive while nobody waits stay in
+    the socket until the next wait.
+
+    Replies to SUBSCRIBE/UNSUBSCRIBE come back in order, so each command gets a sequence
+    number and ``add`` returns only once the reply to its own SUBSCRIBE was read: from then
+    on the server delivers every PUBLISH on the channel. A channel is unsubscribed when its
+    last waiter leaves. If the connection fails, every waiter wakes once (its next acquire
+    reports the error or succeeds), later waits just sleep, and the backend opens a new
+    listener for the next subscribe.
     """
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.pid = os.getpid()
         self.cond = threading.Condition()
-        self.channels: dict[str, set[threading.Event]] = {}
+        self.channels: dict[str, set[_Slot]] = {}
         self.subscribed_at: dict[str, int] = {}  # channel -> sequence number of its SUBSCRIBE
         self.sent = 0
         self.acked = 0
+        self.reading = False
         self.error: BaseException | None = None
         self.closed = False
         conn.connect()
-        self.thread = threading.Thread(target=self._run, name="latchkey-redis-wake", daemon=True)
-        self.thread.start()
 
-    def _run(self) -> None:
+    def _pump(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Read the socket, or wait for the reader, until ``done()`` or ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.error is not None:
+                    return done()
+                if self.reading:
+                    self.cond.wait(remaining)
+                    continue
+                self.reading = True
+                self.cond.release()
+                try:
+                    self._read_until(done, deadline)
+                finally:
+                    self.cond.acquire()
+                    self.reading = False
+                    self.cond.notify_all()  # a follower takes over reading
+            return True
+
+    def _read_until(self, done: Callable[[], bool], deadline: float) -> None:
         try:
-            while not self.closed:
-                if self.conn.can_read(timeout=1.0):
-                    self._dispatch(self.conn.read_response())
-        except Exception as exc:  # the connection is gone: fail over to polling
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.conn.can_read(timeout=remaining):
+                    return
+                self._dispatch(self.conn.read_response())
+        except Exception as exc:  # the connection is gone: fall back to polling
             with self.cond:
                 self.error = exc
-                for events in self.channels.values():
-                    for event in events:
-                        event.set()
+                for slots in self.channels.values():
+                    for slot in slots:
+                        slot.woke = True
                 self.cond.notify_all()
 
     def _dispatch(self, reply: Any) -> None:
@@ -586,13 +625,13 @@ class _Listener:
         with self.cond:
             if kind in ("subscribe", "unsubscribe"):
                 self.acked += 1
-                self.cond.notify_all()
             elif kind == "message":
-                for event in self.channels.get(reply[1], ()):
-                    event.set()
+                for slot in self.channels.get(reply[1], ()):
+                    slot.woke = True
+            self.cond.notify_all()
 
-    def add(self, channel: str, timeout: float) -> threading.Event:
-        event = threading.Event()
+    def add(self, channel: str, timeout: float) -> _Slot:
+        slot = _Slot()
         with self.cond:
             if self.error is not None:
                 raise self.error
@@ -601,33 +640,39 @@ class _Listener:
                 self.sent += 1
                 self.subscribed_at[channel] = self.sent
                 self.conn.send_command("SUBSCRIBE", channel, check_health=False)
-            self.channels[channel].add(event)
+            self.channels[channel].add(slot)
             seq = self.subscribed_at[channel]
-            if not self.cond.wait_for(lambda: self.acked >= seq or self.error is not None, timeout):
-                self._discard(channel, event)
-                raise redis.TimeoutError(f"no reply to SUBSCRIBE within {timeout:g}s")
+        if not self._pump(lambda: self.acked >= seq, timeout):
+            self.remove(channel, slot)
             if self.error is not None:
                 raise self.error
-        return event
+            raise redis.TimeoutError(f"no reply to SUBSCRIBE within {timeout:g}s")
+        return slot
 
-    def remove(self, channel: str, event: threading.Event) -> None:
+    def wait(self, slot: _Slot, timeout: float) -> bool:
+        if self.error is not None and not slot.woke:
+            time.sleep(max(0.0, timeout))  # the connection failed: poll
+            return False
+        self._pump(lambda: slot.woke, max(0.0, timeout))
         with self.cond:
-            self._discard(channel, event)
+            woke, slot.woke = slot.woke, False
+        return woke and self.error is None
 
-    def _discard(self, channel: str, event: threading.Event) -> None:
-        events = self.channels.get(channel)
-        if events is None:
-            return
-        events.discard(event)
-        if events or self.error is not None or self.closed:
-            return
-        del self.channels[channel]
-        del self.subscribed_at[channel]
-        self.sent += 1
-        try:
-            self.conn.send_command("UNSUBSCRIBE", channel, check_health=False)
-        except _ERRORS as exc:
-            self.error = exc
+    def remove(self, channel: str, slot: _Slot) -> None:
+        with self.cond:
+            slots = self.channels.get(channel)
+            if slots is None:
+                return
+            slots.discard(slot)
+            if slots or self.error is not None or self.closed:
+                return
+            del self.channels[channel]
+            del self.subscribed_at[channel]
+            self.sent += 1
+            try:
+                self.conn.send_command("UNSUBSCRIBE", channel, check_health=False)
+            except _ERRORS as exc:
+                self.error = exc
 
     def close(self) -> None:
         self.closed = True
@@ -637,17 +682,13 @@ class _Listener:
 class _PushWaiter(Waiter):
     """Woken by a PUBLISH from a release script; polls (plain sleep) if the listener failed."""
 
-    def __init__(self, listener: _Listener, channel: str, event: threading.Event) -> None:
+    def __init__(self, listener: _Listener, channel: str, slot: _Slot) -> None:
         self._listener = listener
         self._channel = channel
-        self._event = event
+        self._slot = slot
 
     def wait(self, timeout: float) -> bool:
-        woke = self._event.wait(max(0.0, timeout))
-        self._event.clear()
-        if woke and self._listener.error is not None:
-            return False
-        return woke
+        return self._listener.wait(self._slot, timeout)
 
     def close(self) -> None:
-        self._listener.remove(self._channel, self._event)
+        self._listener.remove(self._channel, self._slot)
