@@ -258,6 +258,34 @@ def test_waiters_share_one_pubsub_connection(backend: RedisBackend) -> None:
     eventually(lambda: not backend.client.pubsub_channels(f"{backend.prefix}*"), what="unsub")
 
 
+def test_waiting_threads_take_turns_reading_the_shared_connection(backend: RedisBackend) -> None:
+    names = [f"t{i}" for i in range(4)]
+    for n in names:
+        backend.acquire(n, "a" * 32, INFO, 60)
+    woke: dict[str, float] = {}
+
+    def wait(n: str) -> None:
+        with backend.subscribe(n) as waiter:
+            if waiter.wait(20):
+                woke[n] = time.monotonic()
+
+    threads = [threading.Thread(target=wait, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    channels = [backend._keys(n)[0] for n in names]
+    eventually(
+        lambda: all(c[1] == 1 for c in backend.client.pubsub_numsub(*channels)),
+        what="all subscribed",
+    )
+    for n in names:  # whichever thread reads, each release must reach its own waiter
+        released = time.monotonic()
+        assert backend.release(n, "a" * 32)
+        eventually(lambda n=n: n in woke, timeout=5, what=f"{n} woken")  # type: ignore[misc]
+        assert woke[n] - released < 2
+    for t in threads:
+        t.join(timeout=5)
+
+
 def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend) -> None:
     backend.acquire("n", "a" * 32, INFO, 60)
     with backend.subscribe("n") as waiter:
