@@ -121,6 +121,19 @@ def test_bad_db_path_is_a_config_error() -> None:
         open_backend("redis://127.0.0.1:1/zero")
 
 
+def test_rediss_url_configures_tls_without_connecting() -> None:
+    backend = open_backend("rediss://:pw-Zq8@127.0.0.1:1/2?ssl_cert_reqs=none&timeout=1")
+    assert isinstance(backend, RedisBackend)
+    pool = backend.client.connection_pool
+    assert pool.connection_class is redis.SSLConnection
+    assert pool.connection_kwargs["ssl_cert_reqs"] == "none"
+    assert pool.connection_kwargs["db"] == 2
+    assert "pw-Zq8" not in repr(backend)
+    with pytest.raises(StoreUnavailable) as caught:
+        backend.now()
+    assert "pw-Zq8" not in str(caught.value)
+
+
 def test_prefix_separates_stores(redis_url: str) -> None:
     base = redis_url.split("?")[0]
     one, two = open_backend(f"{base}?prefix=one:"), open_backend(f"{base}?prefix=two:")
