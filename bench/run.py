@@ -169,6 +169,8 @@ TARGETS = [
     # issue, text, numerator (key, scenario), denominator, kind (">=" ratio or "<=" ratio), bound
     ("3", "PostgreSQL B: latchkey / raw pg_advisory_lock hand-off", ("postgresql/latchkey", "B"),
      ("postgresql/raw-advisory", "B"), "<=", 1.2),
+    ("ref", "PostgreSQL B: latchkey / raw INSERT + DELETE with LISTEN/NOTIFY hand-off",
+     ("postgresql/latchkey", "B"), ("postgresql/raw-notify", "B"), "<=", 1.2),
     ("3", "PostgreSQL A: latchkey / raw INSERT…ON CONFLICT + DELETE", ("postgresql/latchkey", "A"),
      ("postgresql/raw", "A"), ">=", 0.9),
     ("3", "MariaDB A: latchkey / raw INSERT IGNORE + DELETE", ("mysql/latchkey", "A"),
@@ -294,6 +296,33 @@ def roundtrips(specs: list[Spec], env: dict[str, str], pairs: int = 200) -> dict
     return out
 
 
+def git_commit() -> str:
+    """HEAD, with "+changes" when src/ differs from it (the code measured is the tree's)."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        out = subprocess.run(["git", *cmd], cwd=HERE.parent, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    dirty = "+changes" if git("status", "--short", "src") else ""
+    return git("rev-parse", "--short", "HEAD") + dirty
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    names = ["latchkey", "redis", "psycopg", "PyMySQL", "pymemcache", "python-redis-lock",
+             "pottery", "sherlock", "tooz", "pals", "SQLAlchemy", "psycopg2-binary", "filelock",
+             "portalocker", "pylibmc"]  # fmt: skip
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -342,7 +371,8 @@ def main() -> int:
         "rounds": rounds, "d_rounds": d_rounds, "c_rounds": args.c_rounds, "cfg": cfg,
         "loadavg_start": os.getloadavg(),
         "servers": {k: v for k, v in env.items() if k != "tmp"},
-        "peers_missing": peers.MISSING,
+        "peers_missing": peers.MISSING, "commit": git_commit(),
+        "versions": versions(),
     }  # fmt: skip
     raw: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     alternating: dict[str, Any] = {}

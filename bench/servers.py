@@ -82,10 +82,12 @@ def counters(server: str, env: dict[str, str]) -> Counter[str]:
         with psycopg.connect(env["postgresql"], autocommit=True) as conn:
             out: Counter[str] = Counter()
             with contextlib.suppress(psycopg.Error):
-                for query, calls in conn.execute(
-                    "SELECT query, calls FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat%'"
+                for query, calls, micros in conn.execute(
+                    "SELECT query, calls, total_exec_time * 1000 FROM pg_stat_statements"
+                    " WHERE query NOT LIKE '%FROM pg_stat_statements%'"
                 ):
                     out[" ".join(query.split())[:90]] += int(calls)
+                    out["(server execution time, µs)"] += int(micros)
             row = conn.execute(
                 "SELECT xact_commit, xact_rollback FROM pg_stat_database"
                 " WHERE datname = current_database()"

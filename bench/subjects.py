@@ -292,6 +292,60 @@ register(
     )
 )
 
+# Inputs: name, owner. Deletes our row and, in the same statement (one commit), wakes the
+# waiters listening on channel bench_raw (payload: the name).
+PG_DELETE_NOTIFY = """WITH gone AS (DELETE FROM bench_raw WHERE name = %s AND owner = %s
+RETURNING name) SELECT pg_notify('bench_raw', name) FROM gone"""
+
+
+class RawPGNotifyHandle(RawPGHandle):
+    """The least a durable lease-table hand-off needs: INSERT; if taken, wait for a NOTIFY
+    on a second connection (LISTEN), then INSERT again; release = DELETE + pg_notify."""
+
+    def acquire(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        s = self.s
+        assert isinstance(s, RawPGNotify)
+        while True:
+            if s.conn.execute(PG_INSERT, (self.name, self.token), prepare=True).fetchone():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for _ in s.listener.notifies(timeout=min(left, 1.0), stop_after=1):
+                pass
+
+    def release(self) -> None:
+        self.s.conn.execute(PG_DELETE_NOTIFY, (self.name, self.token), prepare=True).fetchall()
+
+
+class RawPGNotify(RawPG):
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        super().__init__(url, advisory=False)
+        self.listener = psycopg.connect(url, autocommit=True)
+        self.listener.execute("LISTEN bench_raw")
+
+    def make(self, name: str) -> Handle:
+        return RawPGNotifyHandle(self, name)
+
+    def close(self) -> None:
+        self.listener.close()
+        super().close()
+
+
+register(
+    Spec(
+        "postgresql/raw-notify",
+        "postgresql",
+        "raw INSERT … ON CONFLICT / DELETE + LISTEN/NOTIFY hand-off",
+        "raw",
+        lambda env: RawPGNotify(env["postgresql"]),
+        frozenset("BC"),
+    )
+)
+
 
 # -- MariaDB: INSERT IGNORE / DELETE, and GET_LOCK ----------------------------------------------
 
