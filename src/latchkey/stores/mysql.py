@@ -114,13 +114,14 @@ ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 
 # Mutex acquire on MariaDB (≥ 10.5 has INSERT … RETURNING): the same upsert returns the row as
 # it now stands, ours (taken) or the live holder's (busy: a mutex has one), so the read-back
-# statement and its result set are saved (about a third of the acquire's time here).
+# statement and its result set are saved. Prepared once per connection (PREPARED below): the
+# server then parses only the short EXECUTE, not this text, at each acquire. In (?): name,
+# owner, info, ttl_us, owner. Out: one row, as LIVE_OF's.
 ACQUIRE_RETURNING = f"""
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
-VALUES (%(name)s, 0, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
-        UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
+VALUES (?, 0, ?, ?, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED}
-RETURNING CONCAT_WS(CHAR(9 USING utf8mb4), owner = %(owner)s, token, expires_at, acquired_at,
+RETURNING CONCAT_WS(CHAR(9 USING utf8mb4), owner = ?, token, expires_at, acquired_at,
                     TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)"""
 
 # Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the
@@ -163,8 +164,10 @@ CLAIM_ROW = (
 )
 
 # Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
-# An expired row of ours is left for the next taker or purge (it is already free).
+# An expired row of ours is left for the next taker or purge (it is already free). Prepared
+# per connection on MariaDB (as RELEASE_PREPARED, with ? for %s).
 RELEASE = "DELETE FROM {t} WHERE name = %s AND owner = %s AND expires_at > UTC_TIMESTAMP(6)"
+RELEASE_PREPARED = RELEASE.replace("%s", "?")
 # Ends our live leases on many names. In: owner, names. Rowcount: how many were live.
 RELEASE_MANY = (
     "DELETE FROM {t} WHERE owner = %s AND name IN ({names}) AND expires_at > UTC_TIMESTAMP(6)"
@@ -201,6 +204,17 @@ RECORD_UPDATE = (
 )
 RECORD_DELETE = "DELETE FROM {t}_records WHERE name = %s AND version = %s"
 SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
+
+# MariaDB: the hot statements, prepared at connect (names are per session). MariaDB's EXECUTE
+# takes literal values (MySQL's only user variables), which PyMySQL escapes as it does any
+# parameter. The prepared text is itself a parameter of PREPARE. In: the two statement texts.
+PREPARE = "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s"
+# In: name, owner, info, ttl_us (ACQUIRE's parameters, in ACQUIRE_RETURNING's order).
+EXECUTE_ACQUIRE = (
+    "EXECUTE latchkey_acquire USING %(name)s, %(owner)s, %(info)s, %(ttl_us)s, %(owner)s"
+)
+# In: name, owner.
+EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
 
 
 def connect_args(backend: Backend) -> dict[str, Any]:
@@ -259,39 +273,47 @@ class MySQLBackend(Backend):
         super().__init__(url)
         self.table: str = self.config["table"]
         self._connect_args = connect_args(self)
-        self._sql = {key: sql.replace("{t}", self.table) for key, sql in _STATEMENTS.items()}
+        self._base_sql = {k: sql.replace("{t}", self.table) for k, sql in _STATEMENTS.items()}
+        # The statements of the current connection: on MariaDB, acquire and release are
+        # EXECUTEs of the statements prepared on it.
+        self._sql = dict(self._base_sql)
         self._conn: Any | None = None
+        self._cur: Any | None = None  # one cursor per connection, reused by every call
         self._pid = 0
-        self._mariadb = False  # learnt at connect: MariaDB has INSERT … RETURNING
         self._mutex = threading.Lock()
 
     # -- connection --------------------------------------------------------------------------
 
-    def _connection(self) -> Any:
-        """The open connection; a new one after a failure, a fork, or when the server closed
-        the idle one (restart, idle timeout, KILL). Tables are created on each new one."""
+    def _cursor(self) -> Any:
+        """The open connection's cursor; a new connection after a failure, a fork, or when the
+        server closed the idle one (restart, idle timeout, KILL). Tables are created and the
+        hot statements prepared on each new one."""
         if self._conn is not None and self._pid == os.getpid():
             if not server_hung_up(self._conn):
-                return self._conn
+                return self._cur
             self._drop()
-        self._conn = None  # after fork: the parent's socket is not ours to use or close
-        conn = pymysql.connect(
-            **self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS
-        )
+        self._conn = self._cur = None  # after fork: the parent's socket is not ours to use
+        conn = pymysql.connect(**self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        mariadb = "mariadb" in str(conn.get_server_info()).lower()
         try:
-            with conn.cursor() as cur:
-                cur.execute(SESSION, (max(1, math.floor(self.timeout / 2)),))
-                _drain(cur, CREATE.format(t=self.table, version=SCHEMA_VERSION))
+            cur = conn.cursor()
+            cur.execute(SESSION, (max(1, math.floor(self.timeout / 2)),))
+            _drain(cur, CREATE.format(t=self.table, version=SCHEMA_VERSION))
+            if mariadb:
+                sql = self._base_sql
+                _drain(cur, PREPARE, (sql["acquire_returning"], sql["release_prepared"]))
         except BaseException:
             conn.close()
             raise
-        self._conn, self._pid = conn, os.getpid()
-        self._mariadb = "mariadb" in str(conn.get_server_info()).lower()
-        return conn
+        self._sql = dict(self._base_sql)
+        if mariadb:
+            self._sql.update(acquire=EXECUTE_ACQUIRE, release=EXECUTE_RELEASE)
+        self._conn, self._cur, self._pid = conn, cur, os.getpid()
+        return cur
 
     def _drop(self) -> None:
         """Forget a connection that failed: the next call opens a new one."""
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._cur = self._conn, None, None
         if conn is not None and self._pid == os.getpid():
             with contextlib.suppress(*DRIVER_ERRORS):
                 conn.close()
@@ -301,11 +323,11 @@ class MySQLBackend(Backend):
     ) -> tuple[list[tuple[Any, ...]], int]:
         """Run one (possibly multi-statement) query; return the last result set's rows and the
         last statement's row count. Any driver error drops the connection → StoreUnavailable."""
-        sql = self._sql[key].format(**splice) if splice else self._sql[key]
         with self._mutex:
             try:
-                with self._connection().cursor() as cur:
-                    return _drain(cur, sql, params)
+                cur = self._cursor()
+                sql = self._sql[key].format(**splice) if splice else self._sql[key]
+                return _drain(cur, sql, params)
             except DRIVER_ERRORS as exc:
                 self._drop()
                 self.unavailable(exc, action)
@@ -315,17 +337,16 @@ class MySQLBackend(Backend):
     ) -> list[tuple[Any, ...]] | None:
         """Like _call, returning the last result set; None if a statement lost a deadlock or
         timed out waiting for a row lock (it was rolled back; the connection is kept)."""
-        sql = self._sql[key].format(**splice) if splice else self._sql[key]
         with self._mutex:
             try:
-                conn = self._connection()
-                with conn.cursor() as cur:
-                    try:
-                        return _drain(cur, sql, params)[0]
-                    except pymysql.err.OperationalError as exc:
-                        if exc.args[0] not in CONTENTION:
-                            raise
-                        return None
+                cur = self._cursor()
+                sql = self._sql[key].format(**splice) if splice else self._sql[key]
+                try:
+                    return _drain(cur, sql, params)[0]
+                except pymysql.err.OperationalError as exc:
+                    if exc.args[0] not in CONTENTION:
+                        raise
+                    return None
             except DRIVER_ERRORS as exc:
                 self._drop()
                 self.unavailable(exc, action)
@@ -339,7 +360,7 @@ class MySQLBackend(Backend):
             "name": name.encode(), "owner": owner, "info": owner_info,
             "ttl_us": _us(ttl), "limit": limit,
         }
-        rows = self._contended("acquire", self._acquire_statement(limit), params)
+        rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
         if rows is None:
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
@@ -351,12 +372,6 @@ class MySQLBackend(Backend):
         _, token, expires, acquired, micros, info = leases[0]
         holder = Holder(int(token), Owner.from_json(info), _datetime(acquired), _datetime(expires))
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
-
-    def _acquire_statement(self, limit: int) -> str:
-        """The statement for this limit; RETURNING once we know the server is MariaDB."""
-        if limit > 1:
-            return "acquire_slot"
-        return "acquire_returning" if self._mariadb else "acquire"
 
     def release(self, name: str, owner: str) -> bool:
         return self._call("release", "release", (name.encode(), owner))[1] > 0
@@ -412,8 +427,7 @@ class MySQLBackend(Backend):
         if version == 0:
             with self._mutex:
                 try:
-                    with self._connection().cursor() as cur:
-                        cur.execute(self._sql["record_insert"], (name.encode(), value))
+                    self._cursor().execute(self._sql["record_insert"], (name.encode(), value))
                     return 1
                 except pymysql.err.IntegrityError as exc:
                     if exc.args[0] == DUPLICATE_KEY:
@@ -437,7 +451,7 @@ class MySQLBackend(Backend):
     def init(self) -> None:
         with self._mutex:
             try:
-                self._connection()
+                self._cursor()
             except DRIVER_ERRORS as exc:
                 self._drop()
                 self.unavailable(exc, "connect")
@@ -451,6 +465,7 @@ _STATEMENTS: Mapping[str, str] = {
     "acquire": ACQUIRE,
     "acquire_slot": ACQUIRE_SLOT,
     "acquire_returning": ACQUIRE_RETURNING,
+    "release_prepared": RELEASE_PREPARED,
     "claim": CLAIM,
     "release": RELEASE,
     "release_many": RELEASE_MANY,
