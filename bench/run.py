@@ -296,6 +296,25 @@ def roundtrips(specs: list[Spec], env: dict[str, str], pairs: int = 200) -> dict
     return out
 
 
+def report(path: Path) -> int:
+    """Print the tables of a results file written by --out (no measuring)."""
+    data = json.loads(path.read_text())
+    summaries, meta = data["summaries"], data["meta"]
+    specs = [s for s in REGISTRY.values() if s.key in summaries]
+    wanted = sorted({sc for v in summaries.values() for sc in v})
+    print(f"date {meta['date']}, commit {meta.get('commit', '?')}, {meta['machine']}, "
+          f"{meta['cpus']} CPUs, Python {meta['python']}, "
+          f"args {' '.join(meta['argv'])}")  # fmt: skip
+    print(table(summaries, specs, wanted))
+    print(target_table(data["targets"]))
+    spread = data.get("a_spread") or {}
+    if spread:
+        print(f"\nA spread across rounds: median {statistics.median(spread.values()):.0%}, "
+              f"worst {max(spread.values()):.0%}")  # fmt: skip
+    print(f"load average start {meta['loadavg_start']}, end {meta.get('loadavg_end')}")
+    return 0
+
+
 def git_commit() -> str:
     """HEAD, with "+changes" when src/ differs from it (the code measured is the tree's)."""
     import subprocess
@@ -340,7 +359,10 @@ def main() -> int:
     ap.add_argument("--c-rounds", type=int, default=1, help="rounds of C (10 s each; default 1)")
     ap.add_argument("--out", default=None, help="write every raw result to this JSON file")
     ap.add_argument("--roundtrips", action="store_true", help="count server commands per pair")
+    ap.add_argument("--report", default=None, help="print the tables of a saved --out JSON")
     args = ap.parse_args()
+    if args.report:
+        return report(Path(args.report))
 
     families = [f.strip() for f in args.stores.split(",") if f.strip()]
     unknown = [f for f in families if f not in FAMILIES]
