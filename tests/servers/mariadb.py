@@ -9,6 +9,8 @@ has no password over TCP; the tests create their own users where they need one.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -33,6 +35,14 @@ DATABASE = "latchkey_test"
 #: The server processes we started, kept so that each is reaped (no zombie, no
 #: "still running" warning from a collected Popen) once it has been stopped.
 _STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _reap_stopped_servers() -> None:
+    """Reap every server we started (each was stopped by pid before the run ended)."""
+    for proc in _STARTED:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
