@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable, Unsupported
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.memcached import MemcachedBackend, _Server, _ttl_arg
+from latchkey.stores.memcached import EPOCH, MemcachedBackend, _Connection, _ttl_arg
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
@@ -90,30 +91,45 @@ def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("?")[0])
 
 
-def raw_get(port: int, key: bytes) -> bytes | None:
-    """The value memcached holds at ``key``, read with a plain socket."""
+def raw(port: int, command: bytes) -> bytes:
+    """One command's reply (a line, and the value block of a ``VA``), over a plain socket."""
     with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-        s.sendall(b"mg " + key + b" v\r\n")
+        s.sendall(command)
         reply = b""
         while not reply.endswith(b"\r\n") or (reply.startswith(b"VA") and reply.count(b"\r\n") < 2):
             reply += s.recv(65536)
-    if reply.startswith(b"EN"):
-        return None
-    return reply.split(b"\r\n")[1]
+    return reply
+
+
+def raw_get(port: int, key: bytes) -> bytes | None:
+    """The value memcached holds at ``key``, read with a plain socket."""
+    reply = raw(port, b"mg " + key + b" v\r\n")
+    return None if reply.startswith(b"EN") else reply.split(b"\r\n")[1]
+
+
+def raw_started(port: int) -> int:
+    """The server's start (``stats`` time - uptime), in seconds since latchkey's EPOCH."""
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(b"stats\r\n")
+        reply = b""
+        while not reply.endswith(b"END\r\n"):
+            reply += s.recv(65536)
+    stats = dict(line.split()[1:3] for line in reply.split(b"\r\n") if line.startswith(b"STAT"))
+    return int(stats[b"time"]) - int(stats[b"uptime"]) - EPOCH
 
 
 class Counting:
-    """Counts round trips (one ``exchange`` each) of a backend's servers."""
+    """Counts round trips: each batch of commands written to a server starts one."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.trips = 0
-        original = _Server.exchange
+        original = _Connection._send
 
-        def exchange(server: _Server, commands: Sequence[bytes]) -> Any:
+        def send(conn: _Connection, data: bytes) -> None:
             self.trips += 1
-            return original(server, commands)
+            original(conn, data)
 
-        monkeypatch.setattr(_Server, "exchange", exchange)
+        monkeypatch.setattr(_Connection, "_send", send)
 
 
 # -- URL and options ---------------------------------------------------------------------------
@@ -163,7 +179,66 @@ def test_plain_names_are_readable_keys(backend: MemcachedBackend, base: str, pre
     assert isinstance(grant, Grant)
     value = raw_get(_port(base), f"{prefix}lock:job:42".encode())
     assert value is not None and b'"n":"job:42"' in value
-    assert raw_get(_port(base), f"{prefix}fence:job:42".encode()) == str(grant.token).encode()
+
+
+def test_the_token_is_the_items_cas_above_the_servers_start(
+    backend: MemcachedBackend, base: str, prefix: str
+) -> None:
+    """No counter item: the token is (server start since 2020) << 32 + the lease's CAS."""
+    grant = backend.acquire("job", A, INFO, 30)
+    assert isinstance(grant, Grant) and grant.token is not None
+    reply = raw(_port(base), f"mg {prefix}lock:job c\r\n".encode())
+    cas = int(reply.split()[1][1:])
+    assert grant.token == (raw_started(_port(base)) << 32) + cas
+    assert raw_get(_port(base), f"{prefix}fence:job".encode()) is None
+    assert 0 < grant.token < 2**63
+
+
+def test_tokens_increase_across_release_expiry_and_slots(backend: MemcachedBackend) -> None:
+    tokens = []
+    for _ in range(3):
+        grant = backend.acquire("n", A, INFO, 30)
+        assert isinstance(grant, Grant) and grant.token is not None
+        tokens.append(grant.token)
+        backend.release("n", A)
+    for owner in (A, B):
+        grant = backend.acquire("sem", owner, INFO, 30, limit=2)
+        assert isinstance(grant, Grant) and grant.token is not None
+        tokens.append(grant.token)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+
+
+def test_extend_keeps_the_token_that_inspect_shows(backend: MemcachedBackend) -> None:
+    """Extend rewrites the item, so its CAS changes; the token moves into the value."""
+    grant = backend.acquire("n", A, INFO, 30)
+    assert isinstance(grant, Grant)
+    for _ in range(2):
+        extended = backend.extend("n", A, 60)
+        assert extended is not None and extended.token == grant.token
+        info = backend.inspect("n")
+        assert info is not None and info.holders[0].token == grant.token
+    backend._held.clear()  # the read path derives the same token
+    extended = backend.extend("n", A, 60)
+    assert extended is not None and extended.token == grant.token
+    assert backend.release("n", A) is True
+
+
+def test_a_server_without_cas_is_a_clear_error(tmp_path: Path, closing: list[Any]) -> None:
+    """memcached -C gives every item CAS 0: no owner check and token 0. Refuse it."""
+    try:
+        server = start_memcached(tmp_path / "nocas", "-C")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise
+    try:
+        b = open_backend(f"{server.url}?timeout=1s")
+        closing.append(b)
+        with pytest.raises(ConfigError, match="CAS disabled"):
+            b.acquire("n", A, INFO, 30)
+        with pytest.raises(ConfigError, match="-C"):
+            b.inspect("n")
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("name", [*HOSTILE_NAMES, "#looks-hashed", "with space", "x" * 230])
@@ -203,16 +278,30 @@ def test_a_non_owner_cannot_release_or_extend(backend: MemcachedBackend) -> None
     assert info is not None and info.holders[0].owner.pid == 1
 
 
+def test_a_remembered_cas_never_releases_a_newer_holder(backend: MemcachedBackend) -> None:
+    """One-trip release deletes only the item with the CAS our acquire got: after a takeover
+    it refuses (EX), reads once, and leaves the new holder alone."""
+    assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
+    assert backend.force_release("n")  # as if the lease had expired…
+    assert isinstance(backend.acquire("n", B, INFO, 30), Grant)  # …and B took the name
+    assert backend.release("n", A) is False
+    assert backend.extend("n", A, 60) is None
+    info = backend.inspect("n")
+    assert info is not None and backend.release("n", B) is True
+
+
 def test_release_racing_a_takeover_leaves_the_new_holder_alone(
     backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The sherlock bug: read "it is mine", the lease expires and B takes the name, then a
-    plain delete removes B's lease. The CAS-checked delete must refuse instead."""
+    plain delete removes B's lease. The CAS-checked delete must refuse instead. (The read
+    path: a backend that does not remember the lease's CAS.)"""
     backend.acquire("n", A, INFO, 30)
+    backend._held.clear()
     original = MemcachedBackend._mine
 
-    def mine_then_takeover(self: MemcachedBackend, server: _Server, name: str, owner: str) -> Any:
-        found = original(self, server, name, owner)
+    def mine_then_takeover(self: MemcachedBackend, conn: _Connection, name: str, owner: str) -> Any:
+        found = original(self, conn, name, owner)
         assert self.force_release(name)  # as if the lease had expired…
         assert isinstance(self.acquire(name, B, INFO, 30), Grant)  # …and B took the name
         return found
@@ -228,10 +317,11 @@ def test_extend_racing_a_takeover_does_not_overwrite(
     backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend.acquire("n", A, INFO, 30)
+    backend._held.clear()
     original = MemcachedBackend._mine
 
-    def mine_then_takeover(self: MemcachedBackend, server: _Server, name: str, owner: str) -> Any:
-        found = original(self, server, name, owner)
+    def mine_then_takeover(self: MemcachedBackend, conn: _Connection, name: str, owner: str) -> Any:
+        found = original(self, conn, name, owner)
         self.force_release(name)
         self.acquire(name, B, INFO, 30)
         return found
@@ -240,6 +330,39 @@ def test_extend_racing_a_takeover_does_not_overwrite(
     assert backend.extend("n", A, 60) is None
     monkeypatch.undo()
     assert backend.release("n", B) is True
+
+
+def test_a_lapsed_lease_is_not_ours_to_release(backend: MemcachedBackend) -> None:
+    """Once memcached lets the item go (expired counts as absent, collected or not), the
+    remembered CAS finds nothing: release is False and a new holder can take the name."""
+    assert isinstance(backend.acquire("n", A, INFO, 0.2), Grant)  # T = 2 s: gone within 2 s
+    eventually(lambda: backend.inspect("n") is None, timeout=5, what="lease lapsed")
+    assert backend.release("n", A) is False
+    assert backend.extend("n", A, 30) is None
+    assert isinstance(backend.acquire("n", B, INFO, 30), Grant)
+
+
+def test_a_forked_child_neither_shares_sockets_nor_remembered_leases(
+    backend: MemcachedBackend,
+) -> None:
+    assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
+    (server,) = backend._servers.values()
+    (parent_conn,) = server._idle
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        code = 1
+        try:
+            ok = backend.release("n", A) is True  # read first: the child remembers nothing
+            (child_conn,) = server._idle
+            ok = ok and child_conn is not parent_conn and not backend._held
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert server._idle == [parent_conn]
+    assert backend.inspect("n") is None  # the child released it; our connection still works
+    assert backend.release("n", A) is False
 
 
 # -- TTLs ------------------------------------------------------------------------------------
@@ -287,15 +410,28 @@ def test_round_trips_per_operation(
         call()
         return count.trips - before
 
-    assert trips(lambda: backend.acquire("n", A, INFO, 30)) == 2
-    assert trips(lambda: backend.acquire("n", B, INFO, 30)) == 1  # busy
-    assert trips(lambda: backend.extend("n", A, 30)) == 2
+    assert trips(lambda: backend.acquire("n", A, INFO, 30)) == 1
+    assert trips(lambda: backend.acquire("n", B, INFO, 30)) == 1  # busy, holder included
+    assert trips(lambda: backend.extend("n", A, 30)) == 1
     assert trips(lambda: backend.inspect("n")) == 1
-    assert trips(lambda: backend.release("n", A)) == 2
+    assert trips(lambda: backend.release("n", A)) == 1
+    assert trips(lambda: backend.release("n", A)) == 1  # not remembered: a read finds nothing
+    assert trips(lambda: backend.force_release("n")) == 1
     names = [f"row:{i}" for i in range(200)]
-    assert trips(lambda: backend.claim(names, A, INFO, 30)) == 2
-    assert trips(lambda: backend.release_many(names, A)) == 2
+    assert trips(lambda: backend.claim(names, A, INFO, 30)) == 1
+    assert trips(lambda: backend.release_many(names, A)) == 1
     assert trips(lambda: backend.acquire("sem", A, INFO, 30, limit=5)) == 2
+    assert trips(lambda: backend.release("sem", A)) == 1
+    # A lease this backend did not take (another process's, same owner token): read first.
+    backend.acquire("n", A, INFO, 30)
+    backend.claim(names, A, INFO, 30)
+    backend._held.clear()
+    assert trips(lambda: backend.extend("n", A, 30)) == 2  # …and remembers the new CAS
+    assert trips(lambda: backend.release("n", A)) == 1
+    backend.acquire("n", A, INFO, 30)
+    backend._held.clear()
+    assert trips(lambda: backend.release("n", A)) == 2
+    assert trips(lambda: backend.release_many(names, A)) == 2
 
 
 def test_claim_skips_busy_names(backend: MemcachedBackend) -> None:
@@ -338,7 +474,7 @@ def test_stopped_server_is_unavailable_then_restart_works(
     assert isinstance(b, MemcachedBackend)
     first = b.acquire("job", A, INFO, 60)
     assert isinstance(first, Grant) and first.token is not None
-    time.sleep(1.1)  # the counter restarts at the store clock, whose unit is a second
+    time.sleep(1.1)  # the token's high part is the server's start time, in whole seconds
     server.stop()
     _all_primitives_fail(b, "job")
     server.start()
@@ -347,8 +483,67 @@ def test_stopped_server_is_unavailable_then_restart_works(
     again = b.acquire("job", B, INFO, 60)
     assert isinstance(again, Grant)
     assert isinstance(b.acquire("job", A, INFO, 60), Busy)  # no double grant
-    # The counter restarted from the store clock in ms: above the old token in practice.
+    # The CAS counter restarted at 1, but the server's start time is later.
     assert again.token is not None and again.token > first.token
+
+
+def test_a_cas_remembered_before_a_restart_is_never_used_after_it(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    """A restarted server counts CAS values from 1 again: the same value can go to another
+    holder's lease. The server's instance id (a random item written once per server life)
+    changes, so the remembered CAS is dropped and release reads first."""
+    server = own_servers[0]
+    a = open_backend(f"{server.url}?timeout=1s")
+    b = open_backend(f"{server.url}?timeout=1s")
+    closing.extend([a, b])
+    assert isinstance(a, MemcachedBackend) and isinstance(b, MemcachedBackend)
+    assert isinstance(a.acquire("job", A, INFO, 60), Grant)
+    remembered = a._held["job", A].cas
+    server.stop()
+    server.start()
+    assert isinstance(b.acquire("job", B, INFO, 60), Grant)  # the same writes, in order…
+    reply = raw(server.port, b"mg latchkey:lock:job c\r\n")
+    assert int(reply.split()[1][1:]) == remembered  # …so B's lease has A's old CAS
+    assert a.release("job", A) is False
+    assert a.extend("job", A, 60) is None
+    info = b.inspect("job")
+    assert info is not None and b.release("job", B) is True
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """True once every thread of ``pid`` is in the stopped state (kill() does not wait)."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.exists():
+        return True  # no /proc: hope the stop is immediate
+    states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+    return all(state in ("T", "t") for state in states)
+
+
+def test_a_hung_server_times_out_and_the_next_call_reconnects(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    """A stopped (SIGSTOP) server accepts connections and never answers: each call fails
+    within ?timeout= (the kernel's SO_RCVTIMEO on the pooled socket, or on a new one)."""
+    server = own_servers[0]
+    b = open_backend(f"{server.url}?timeout=0.5s")
+    closing.append(b)
+    assert isinstance(b, MemcachedBackend)
+    assert isinstance(b.acquire("n", A, INFO, 30), Grant)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        eventually(lambda: _all_threads_stopped(server.pid), what="memcached stopped")
+        for call in (
+            lambda: b.acquire("m", B, INFO, 30),  # on the pooled connection
+            lambda: b.release("n", A),  # on a new connection: the handshake times out
+        ):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=r"within 0\.5s"):
+                call()
+            assert time.monotonic() - started < 1.5
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert b.release("n", A) is True
 
 
 def test_idle_connection_to_a_restarted_server_is_replaced(

@@ -2,8 +2,8 @@
 
 Seed 000 locked rows with a bare ``add``, which answers "not stored" both when the key exists
 and when the server is down. This store speaks memcached's *meta* protocol (``mg``/``ms``/
-``md``/``ma``, memcached ≥ 1.6) over its own small connection pool, so that every reply is
-read and checked: a server that does not answer is :class:`StoreUnavailable`, never "busy".
+``md``, memcached ≥ 1.6) over its own small connection pool, so that every reply is read and
+checked: a server that does not answer is :class:`StoreUnavailable`, never "busy".
 pymemcache supplies the rendezvous hash that picks a server per name; its own clients are not
 used because they have no meta commands and no mixed pipelines, and because pymemcache's
 ``HashClient`` answers a default value (``False``: "not stored") while a server is marked
@@ -14,10 +14,23 @@ Layout (``P`` is ``?prefix=``, default ``latchkey:``; ``N`` the name, or ``#`` +
 when it is not plain printable ASCII, starts with ``#``, or would make a key too long):
 
 - ``P lock:N`` (and ``P slotI:N`` for semaphore slots I ≥ 1): one lease, as JSON
-  (name, owner token, owner info, fencing token, acquired/expires ms), with the lease's TTL;
-- ``P fence:N``: the name's fencing counter, no TTL;
+  (name, owner token, owner info, acquired/expires ms, and the token's parts), with its TTL;
 - ``P limit:N``: a semaphore's slot count, no TTL (absent: 1);
-- ``P record:N``: a versioned record, no TTL.
+- ``P record:N``: a versioned record, no TTL;
+- ``P instance``: a random id written once per server lifetime (see "release" below).
+
+Fencing tokens are the lease item's CAS unique: memcached gives every stored item the next
+value of one server-wide counter, so a name's leases get strictly increasing values for as
+long as the server runs, with no counter item of our own to read, evict or lose. The token is
+``(S << 32) + CAS`` where ``S`` is the server's start time (``stats``: ``time - uptime``) in
+seconds since 2020: a restarted server starts its CAS counter again at 1, but its ``S`` is
+higher by the seconds it ran, and no memcached stores 2³² items a second. A lease stores
+``S`` (``"s"``); a rewritten lease (extend) gets a new CAS and so stores its token (``"t"``).
+
+Acquire is one round trip (``mg … q`` probe + ``ms … ME c`` add); release is one
+(``md key C<cas>``) with the CAS this backend remembers from its acquire or extend, guarded by
+the server's instance id so that a remembered CAS is never used on a restarted server (whose
+counter may hand the same value to someone else's lease). Without it, release reads first.
 
 The store clock is memcached's: it only reports whole seconds (``stats`` ``time``), so each
 connection reads it once and the backend keeps it running on the local monotonic clock
@@ -33,16 +46,20 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
 import re
 import select
 import socket
-import threading
+import struct
+import sys
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from json.encoder import encode_basestring_ascii as _quote  # a str as a JSON literal (C)
+from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
 
 from pymemcache.client.rendezvous import RendezvousHash
 
@@ -57,68 +74,120 @@ MAX_KEY = 250  # memcached's key length limit, bytes
 _KIND_ROOM = 24  # bytes kept free in a key for the kind ("slot12345:")
 _MONTH = 30 * 24 * 3600  # memcached reads larger TTLs as absolute Unix times
 _PLAIN = re.compile(r"[!-~]+")  # printable ASCII without space: usable in a key as is
+EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
+_KERNEL_TIMEOUTS = sys.platform.startswith("linux")  # see _Connection.__init__
+_HELD_MAX = 4096  # leases whose CAS a backend remembers for one-round-trip release/extend
 
 # -- commands: %b is a key (prefixed, plain ASCII, ≤ 250 bytes); replies as noted -------------
 
-# Next fencing token of a name: +1, or create the counter (no TTL, N0) at J (the store clock
-# in ms, so that a counter lost to a restart or eviction most likely restarts above its old
-# values). Reply ``VA <len>`` + the new value. Tokens never repeat while the counter lives.
-NEXT_TOKEN = b"ma %b N0 J%d v\r\n"
 # Read an item: value (v), remaining TTL in whole seconds (t), CAS unique (c).
 # Reply ``VA <len> t<ttl> c<cas>`` + value, or ``EN`` when absent or expired.
 READ = b"mg %b v t c\r\n"
-# Take a lease slot only if it is absent (ME: add mode), TTL T. ``HD`` stored, ``NS`` taken.
-# Mutual exclusion: memcached adds atomically, and an expired item counts as absent.
-ADD = b"ms %b %d T%d ME\r\n%b\r\n"
-# Rewrite an item only if its CAS unique is the one we read (extend, record update).
-# ``HD`` written, ``EX`` changed since we read it, ``NF`` gone: a newer holder is never touched.
-REPLACE_IF = b"ms %b %d T%d C%d\r\n%b\r\n"
-# Delete an item only if its CAS unique is the one we read: the owner-checked release (never
+# The same read, quiet (q): a miss sends nothing. Sent just before ADD on the same key, it
+# tells who holds the key when the add fails, with no reply (no bytes) when the key is free.
+PROBE = b"mg %b v t c q\r\n"
+# Take a lease slot only if it is absent (ME: add mode), TTL T; c: return the new item's CAS.
+# ``HD c<cas>`` stored, ``NS`` taken. Mutual exclusion: memcached adds atomically, an expired
+# item counts as absent, and the CAS comes from the server-wide counter (the fencing token).
+ADD = b"ms %b %d T%d ME c\r\n%b\r\n"
+# Rewrite an item only if its CAS unique is the one we know (extend, record update).
+# ``HD c<new cas>`` written, ``EX`` changed since, ``NF`` gone: a newer holder is never touched.
+REPLACE_IF = b"ms %b %d T%d C%d c\r\n%b\r\n"
+# Delete an item only if its CAS unique is the one we know: the owner-checked release (never
 # get-then-delete, which can delete a newer holder's lease). ``HD``, ``EX`` changed, ``NF``.
 DELETE_IF = b"md %b C%d\r\n"
-# Delete whatever is there (force_release only). ``HD`` deleted, ``NF`` absent.
+# Delete whatever is there (force_release only). ``HD`` deleted a live item, ``NF`` absent.
 DELETE = b"md %b\r\n"
-# Write an item with no TTL (a semaphore's slot count). ``HD``.
-SET_FOREVER = b"ms %b %d T0\r\n%b\r\n"
-# The server's clock: ``STAT time <unix seconds>`` among the general stats, then ``END``.
+# Write an item with no TTL (a semaphore's slot count). ``HD c<cas>``.
+SET_FOREVER = b"ms %b %d T0 c\r\n%b\r\n"
+# The server's clock and start: ``STAT time <unix s>``, ``STAT uptime <s>``…, then ``END``.
 STATS = b"stats\r\n"
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class _ForkAware(Protocol):
+    def after_fork(self) -> None: ...
+
+
+_FORK_AWARE: weakref.WeakSet[_ForkAware] = weakref.WeakSet()  # pools and backends
+
+
+def _after_fork_in_child() -> None:
+    for thing in list(_FORK_AWARE):
+        thing.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ProtocolError(Exception):
     """memcached answered something we did not expect (an error line, a bad value)."""
 
 
-@dataclass(frozen=True)
 class _Reply:
-    code: bytes  # HD, NS, EX, NF, EN, VA
-    flags: dict[str, bytes]
-    value: bytes | None = None
+    """One reply: its code (HD, NS, EX, NF, EN, VA), its flags (b"c" → b"42"), its value."""
 
-    def flag(self, name: str) -> int:
+    __slots__ = ("code", "flags", "value")
+
+    def __init__(self, code: bytes, flags: dict[bytes, bytes], value: bytes | None) -> None:
+        self.code, self.flags, self.value = code, flags, value
+
+    def flag(self, name: bytes) -> int:
         try:
             return int(self.flags[name])
         except (KeyError, ValueError):
-            raise ProtocolError(f"reply {self.code!r} lacks a numeric {name} flag") from None
+            raise ProtocolError(f"reply {self.code!r} lacks a numeric {name!r} flag") from None
 
 
 class _Connection:
-    """One socket to one server, with a read buffer. Not thread-safe: pooled per server."""
+    """One socket to one server process, with a read buffer. Not thread-safe: pooled.
+
+    ``started`` (the token's ``S``) and ``instance`` describe the server process this socket
+    talks to; a TCP connection never outlives it, so they hold for every reply read here.
+    """
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.timeout = timeout
+        if _KERNEL_TIMEOUTS:
+            # The kernel enforces the timeout on each send and receive (SO_SNDTIMEO/RCVTIMEO)
+            # of a blocking socket, which saves Python's poll() before every call: a third of
+            # the system calls of a round trip. A timed-out call fails with EAGAIN.
+            whole = int(timeout)
+            limit = struct.pack("@ll", whole, int((timeout - whole) * 1_000_000))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            self.sock.settimeout(None)
         self._buf = bytearray()
+        self.started = 0
+        self.instance: bytes | None = None
+        self._poll = select.poll()
+        self._poll.register(self.sock, select.POLLIN)
 
     def stale(self) -> bool:
         """True if the server closed this idle connection (it never speaks unasked)."""
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
+            return bool(self._poll.poll(0))
         except (OSError, ValueError):
             return True
-        return bool(readable)
+
+    def _send(self, data: bytes) -> None:
+        """Write one batch of commands: each call starts one round trip."""
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:  # SO_SNDTIMEO expired
+            raise TimeoutError(f"memcached did not take a command within {self.timeout}s") from None
 
     def _fill(self) -> None:
-        chunk = self.sock.recv(65536)
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            raise TimeoutError(f"memcached did not answer within {self.timeout}s") from None
         if not chunk:
             raise ConnectionResetError("memcached closed the connection")
         self._buf += chunk
@@ -147,24 +216,57 @@ class _Connection:
             if not rest or not rest[0].isdigit():
                 raise ProtocolError(f"bad VA reply: {words!r}")
             value, rest = self._exact(int(rest[0])), rest[1:]
-        return _Reply(code, {w[:1].decode(): w[1:] for w in rest}, value)
+        return _Reply(code, {w[:1]: w[1:] for w in rest}, value)
 
     def exchange(self, commands: Sequence[bytes]) -> list[_Reply]:
         """Send ``commands`` in one write and read one reply each: one round trip."""
-        self.sock.sendall(b"".join(commands))
+        self._send(b"".join(commands))
         return [self._reply() for _ in commands]
 
-    def server_time(self) -> int:
-        self.sock.sendall(STATS)
-        found = None
+    def probe_add(self, probe: bytes, add: bytes) -> tuple[_Reply | None, _Reply]:
+        """A quiet read (PROBE) then a write, one round trip: (the read's hit or None, write)."""
+        self._send(probe + add)
+        first = self._reply()
+        if first.code != b"VA":  # the probe missed silently: this is the write's reply
+            return None, first
+        return first, self._reply()
+
+    def _stats(self) -> tuple[int, int]:
+        """Read a ``stats`` reply: the server's Unix time and its start (time - uptime)."""
+        stats: dict[bytes, bytes] = {}
         while (line := self._line()) != b"END":
-            if line.startswith(b"STAT time "):
-                found = int(line.split()[2])
-            elif not line.startswith(b"STAT "):
+            words = line.split()
+            if len(words) < 3 or words[0] != b"STAT":
                 raise ProtocolError(f"unexpected stats line {line!r}")
-        if found is None:
-            raise ProtocolError("stats has no time")
-        return found
+            stats[words[1]] = words[2]
+        try:
+            now, uptime = int(stats[b"time"]), int(stats[b"uptime"])
+        except (KeyError, ValueError):
+            raise ProtocolError("stats lacks time or uptime") from None
+        return now, now - uptime
+
+    def server_time(self) -> int:
+        """The server's Unix time, whole seconds (one round trip)."""
+        self._send(STATS)
+        return self._stats()[0]
+
+    def handshake(self, instance_key: bytes) -> int:
+        """Read the server's clock and start time, and its instance id (creating it if this
+        server process has none yet), in one round trip. Returns the server's Unix time."""
+        fresh = os.urandom(8).hex().encode("ascii")
+        self._send(STATS + ADD % (instance_key, len(fresh), 0, fresh) + READ % instance_key)
+        now, started = self._stats()
+        self.started = max(0, started - EPOCH)
+        _stored(self._reply())  # HD: we wrote the id; NS: it was there
+        current = self._reply()
+        if current.code == b"VA":
+            if current.flag(b"c") == 0:
+                raise ConfigError(
+                    "memcached store: the server runs with CAS disabled (memcached -C); "
+                    "latchkey needs CAS values for its owner checks and fencing tokens"
+                )
+            self.instance = current.value
+        return now
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -172,47 +274,63 @@ class _Connection:
 
 
 class _Server:
-    """A pool of connections to one server, and that server's clock."""
+    """A pool of connections to one server, and that server's clock.
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
+    The idle list is only popped and appended to (atomic in CPython): no lock on the hot path.
+    A forked child empties it (:func:`_after_fork`): the parent's sockets are the parent's.
+    """
+
+    def __init__(self, host: str, port: int, timeout: float, instance_key: bytes) -> None:
         self.host, self.port, self.timeout = host, port, timeout
+        self.instance_key = instance_key
         self._idle: list[_Connection] = []
         self._clock: tuple[float, float] | None = None  # (server time, local monotonic)
-        self._mutex = threading.Lock()
+        _FORK_AWARE.add(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: drop the parent's connections (closing the child's copies of
+        their file descriptors leaves the parent's sockets open and undisturbed)."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def checkout(self) -> _Connection:
+        """An idle connection that the server has not closed, or a new one."""
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return self._open()
+            if not conn.stale():
+                return conn
+            conn.close()  # the server restarted or dropped it: a fresh socket, not an error
+
+    def checkin(self, conn: _Connection) -> None:
+        self._idle.append(conn)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[_Connection]:
-        conn = None
-        with self._mutex:
-            while self._idle and conn is None:
-                conn = self._idle.pop()
-                if conn.stale():  # the server restarted: use a fresh socket, not an error
-                    conn.close()
-                    conn = None
-        if conn is None:
-            conn = _Connection(self.host, self.port, self.timeout)
-            try:
-                self._set_clock(conn)
-            except BaseException:
-                conn.close()
-                raise
+        conn = self.checkout()
         try:
             yield conn
         except BaseException:
             conn.close()  # its stream may be mid-reply
             raise
-        with self._mutex:
-            self._idle.append(conn)
+        self.checkin(conn)
 
-    def _set_clock(self, conn: _Connection) -> None:
-        before = time.monotonic()
-        seconds = conn.server_time()
+    def _open(self) -> _Connection:
+        conn = _Connection(self.host, self.port, self.timeout)
+        try:
+            before = time.monotonic()
+            self._set_clock(conn.handshake(self.instance_key), before)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _set_clock(self, seconds: int, before: float) -> None:
         # memcached's clock ticks in whole seconds: the true time is within the second after.
         self._clock = (seconds + 0.5, (before + time.monotonic()) / 2)
-
-    def exchange(self, commands: Sequence[bytes]) -> list[_Reply]:
-        with self.connection() as conn:
-            return conn.exchange(commands)
 
     def now(self) -> float:
         """The server's clock (Unix seconds), estimated from its last reading."""
@@ -222,15 +340,14 @@ class _Server:
         assert self._clock is not None
         return self._clock[0] + time.monotonic() - self._clock[1]
 
-    def read_clock(self) -> float:
-        """Read the server's clock now (one round trip) and return it."""
-        with self.connection() as conn:
-            self._set_clock(conn)
+    def read_clock(self, conn: _Connection) -> float:
+        """Read the server's clock now on ``conn`` (one round trip) and return it."""
+        before = time.monotonic()
+        self._set_clock(conn.server_time(), before)
         return self.now()
 
     def close(self) -> None:
-        with self._mutex:
-            idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
 
@@ -252,6 +369,17 @@ class _Lease:
         )
 
 
+class _Held(NamedTuple):
+    """What a backend remembers of a lease it took or extended, to release it in one trip."""
+
+    key: bytes
+    cas: int
+    instance: bytes  # the server process whose counter gave ``cas``
+    token: int
+    info: str
+    acquired_ms: int
+
+
 def _dt(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, timezone.utc)
 
@@ -266,31 +394,39 @@ def _ttl_arg(ttl: float, server_now: float) -> int:
     return whole if whole <= _MONTH else int(server_now) + whole
 
 
-def _lease(key: bytes, reply: _Reply) -> _Lease | None:
-    if reply.code == b"EN":
+def _token(started: int, cas: int) -> int:
+    """The fencing token of a lease stored with CAS ``cas`` by a server started at ``S``."""
+    return (started << 32) + cas
+
+
+def _lease(key: bytes, reply: _Reply | None) -> _Lease | None:
+    if reply is None or reply.code == b"EN":
         return None
     if reply.code != b"VA" or reply.value is None:
         raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
     try:
         data = json.loads(reply.value)
+        cas = reply.flag(b"c")
+        token = int(data["t"]) if "t" in data else _token(int(data["s"]), cas)
         return _Lease(
             key,
             str(data["o"]),
-            int(data["t"]),
+            token,
             data["a"] / 1000,
             data["e"] / 1000,
             data,
-            reply.flag("t"),
-            reply.flag("c"),
+            reply.flag(b"t"),
+            cas,
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise ProtocolError(f"unreadable lease at {key!r}: {exc}") from None
 
 
-def _counter(reply: _Reply) -> int:
-    if reply.code != b"VA" or reply.value is None or not reply.value.isdigit():
-        raise ProtocolError(f"unexpected reply {reply.code!r} to a counter increment")
-    return int(reply.value)
+def _limit(reply: _Reply) -> int:
+    """A semaphore's slot count from a read of ``P limit:N`` (absent: 1, a mutex)."""
+    if reply.code == b"VA" and reply.value and reply.value.isdigit():
+        return int(reply.value)
+    return 1
 
 
 def _stored(reply: _Reply) -> bool:
@@ -300,6 +436,14 @@ def _stored(reply: _Reply) -> bool:
     if reply.code in (b"NS", b"EX", b"NF"):
         return False
     raise ProtocolError(f"unexpected reply {reply.code!r} to a write")
+
+
+def _new_cas(reply: _Reply) -> int:
+    """The CAS unique of the item a successful ``ms … c`` just wrote (never 0 with CAS on)."""
+    cas = reply.flag(b"c")
+    if cas <= 0:
+        raise ProtocolError("memcached returned no CAS value (is it running with -C?)")
+    return cas
 
 
 _ERRORS = (OSError, ProtocolError)
@@ -328,9 +472,37 @@ class MemcachedBackend(Backend):
         self._ring = RendezvousHash()
         for host, port in url.hosts:
             node = f"{host}:{port or DEFAULT_PORT}"
-            self._servers[node] = _Server(host, port or DEFAULT_PORT, self.timeout)
+            instance_key = self.prefix + b"instance"
+            self._servers[node] = _Server(host, port or DEFAULT_PORT, self.timeout, instance_key)
             self._ring.add_node(node)
+        self._only = next(iter(self._servers.values())) if len(self._servers) == 1 else None
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this backend
+        self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
+        self._info = ("", b'""')  # the last owner_info and its JSON string literal
+        _FORK_AWARE.add(self)
+
+    def after_fork(self) -> None:
+        self._held = {}  # a child remembers nothing (its parent may release those leases)
+
+    # -- running one primitive on one server's connection -------------------------------------
+
+    def _on(
+        self, server: _Server, action: str, op: Callable[Concatenate[_Connection, P], T],
+        *args: P.args, **kwargs: P.kwargs,
+    ) -> T:  # fmt: skip
+        """Run ``op(conn, …)`` on a pooled connection to ``server``; a socket or protocol
+        error closes the connection (its stream may be mid-reply) and is StoreUnavailable."""
+        try:
+            conn = server.checkout()
+            try:
+                result = op(conn, *args, **kwargs)
+            except BaseException:
+                conn.close()
+                raise
+            server.checkin(conn)
+            return result
+        except _ERRORS as exc:
+            self.unavailable(exc, action)
 
     # -- keys and routing ----------------------------------------------------------------------
 
@@ -350,33 +522,58 @@ class MemcachedBackend(Backend):
         return self.prefix + label.encode("ascii") + b":" + self._encode(name)
 
     def _server(self, name: str) -> _Server:
-        if len(self._servers) == 1:
-            return next(iter(self._servers.values()))
+        if self._only is not None:
+            return self._only
         return self._servers[self._ring.get_node(self._encode(name).decode("ascii"))]
 
     def _lease_value(
-        self, name: str, owner: str, owner_info: str, token: int, acquired: float, expires: float
+        self, name: str, owner: str, info: str, part: bytes, acquired_ms: int, expires_ms: int
     ) -> bytes:
-        data = {"n": name, "o": owner, "i": owner_info, "t": token}
-        data.update(a=_ms(acquired), e=_ms(expires))
-        return json.dumps(data, separators=(",", ":")).encode("utf-8")
+        """The lease's JSON. ``part`` is ``"s":S`` for a new lease (token from its CAS) or
+        ``"t":token`` for a rewritten one (its CAS changed, its token did not)."""
+        last, quoted = self._info
+        if info is not last:  # the core passes the same owner JSON text again and again
+            quoted = _quote(info).encode("ascii")
+            self._info = (info, quoted)
+        return b'{"n":%b,"o":%b,"i":%b,%b,"a":%d,"e":%d}' % (
+            _quote(name).encode("ascii"), _quote(owner).encode("ascii"), quoted, part,
+            acquired_ms, expires_ms,
+        )  # fmt: skip
 
-    def _slots(self, server: _Server, name: str) -> list[_Lease | None]:
+    # -- the remembered CAS of our own leases (process-local, bounded) -------------------------
+
+    def _remember(self, name: str, owner: str, held: _Held) -> None:
+        held_map = self._held
+        if len(held_map) >= _HELD_MAX:  # forget the oldest (a lease never released, say)
+            with contextlib.suppress(StopIteration, KeyError, RuntimeError):
+                del held_map[next(iter(held_map))]
+        held_map[name, owner] = held
+
+    def _forget(self, name: str, owner: str, conn: _Connection) -> _Held | None:
+        """Take what we remember of (name, owner), if it is valid on ``conn``'s server."""
+        held = self._held.pop((name, owner), None)
+        if held is None or conn.instance is None or held.instance != conn.instance:
+            return None  # unknown, or from another server lifetime: its CAS proves nothing
+        return held
+
+    # -- reading slots -----------------------------------------------------------------------
+
+    def _slots(self, conn: _Connection, name: str) -> list[_Lease | None]:
         """Every slot of ``name`` (the live lease in it, or None): one round trip, two when
         the name turns out to be a semaphore with more slots than we knew."""
         known = self._limits.get(name, 1)
         keys = [self._key("lock", name, i) for i in range(known)]
-        replies = server.exchange([READ % self._key("limit", name), *(READ % k for k in keys)])
-        limit = int(replies[0].value) if replies[0].code == b"VA" and replies[0].value else 1
+        replies = conn.exchange([READ % self._key("limit", name), *(READ % k for k in keys)])
+        limit = _limit(replies[0])
         if limit > known:
             self._limits[name] = limit
             more = [self._key("lock", name, i) for i in range(known, limit)]
             keys += more
-            replies += server.exchange([READ % k for k in more])
+            replies += conn.exchange([READ % k for k in more])
         return [_lease(k, r) for k, r in zip(keys, replies[1:], strict=True)]
 
-    def _mine(self, server: _Server, name: str, owner: str) -> _Lease | None:
-        return next((s for s in self._slots(server, name) if s and s.owner == owner), None)
+    def _mine(self, conn: _Connection, name: str, owner: str) -> _Lease | None:
+        return next((s for s in self._slots(conn, name) if s and s.owner == owner), None)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -384,55 +581,96 @@ class MemcachedBackend(Backend):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
         server = self._server(name)
-        keys = [self._key("lock", name, i) for i in range(limit)]
-        with self.translate("acquire", _ERRORS):
-            commands = [NEXT_TOKEN % (self._key("fence", name), _ms(server.now()))]
-            if limit > 1:
-                count = str(limit).encode("ascii")
-                commands.append(SET_FOREVER % (self._key("limit", name), len(count), count))
-            replies = server.exchange([*commands, *(READ % k for k in keys)])
-            token = _counter(replies[0])
-            slots = [_lease(k, r) for k, r in zip(keys, replies[len(commands) :], strict=True)]
+        args = (server, name, owner, owner_info, ttl, limit)
+        return self._on(server, "acquire", self._acquire, *args)
+
+    def _acquire(
+        self, conn: _Connection, server: _Server, name: str, owner: str, owner_info: str,
+        ttl: float, limit: int,
+    ) -> Grant | Busy:  # fmt: skip
+        live: list[_Lease] = []
+        if limit == 1:
+            key = self._key("lock", name)  # a mutex: try the add at once
+        else:  # a semaphore: find the free slots first (a second round trip)
+            count = str(limit).encode("ascii")
+            keys = [self._key("lock", name, i) for i in range(limit)]
+            replies = conn.exchange(
+                [SET_FOREVER % (self._key("limit", name), len(count), count)]
+                + [READ % k for k in keys]
+            )
+            slots = [_lease(k, r) for k, r in zip(keys, replies[1:], strict=True)]
             live = [s for s in slots if s is not None]
             free = [k for k, s in zip(keys, slots, strict=True) if s is None]
             if not free:
                 return _busy(live)
-            key = random.choice(free)  # contenders for a semaphore spread over its free slots
-            now = server.now()
-            value = self._lease_value(name, owner, owner_info, token, now, now + ttl)
-            added, current = server.exchange(
-                [ADD % (key, len(value), _ttl_arg(ttl, now), value), READ % key]
-            )
-            if _stored(added):
-                return Grant(token, _dt(now + ttl))
-            winner = _lease(key, current)  # who took the free slot first (None: gone again)
-            return _busy([*live, winner] if winner else live)
+            key = random.choice(free)  # contenders spread over the free slots
+        now = server.now()
+        acquired = _ms(now)
+        value = self._lease_value(
+            name, owner, owner_info, b'"s":%d' % conn.started, acquired, _ms(now + ttl)
+        )
+        add = ADD % (key, len(value), _ttl_arg(ttl, now), value)
+        probe, added = conn.probe_add(PROBE % key, add)
+        if _stored(added):
+            cas = _new_cas(added)
+            token = _token(conn.started, cas)
+            if conn.instance is not None:
+                held = _Held(key, cas, conn.instance, token, owner_info, acquired)
+                self._remember(name, owner, held)
+            return Grant(token, _dt(now + ttl))
+        winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
+        return _busy([*live, winner] if winner else live)
 
     def release(self, name: str, owner: str) -> bool:
-        server = self._server(name)
-        with self.translate("release", _ERRORS):
-            mine = self._mine(server, name, owner)
-            if mine is None:
-                return False
-            return _stored(server.exchange([DELETE_IF % (mine.key, mine.cas)])[0])
+        return self._on(self._server(name), "release", self._release, name, owner)
+
+    def _release(self, conn: _Connection, name: str, owner: str) -> bool:
+        held = self._forget(name, owner, conn)
+        if held is not None and _stored(conn.exchange([DELETE_IF % (held.key, held.cas)])[0]):
+            return True  # the item with our CAS was there, live: our lease, now gone
+        # Unknown, or changed since we wrote it (EX) or gone (NF): read once to decide.
+        mine = self._mine(conn, name, owner)
+        if mine is None:
+            return False
+        return _stored(conn.exchange([DELETE_IF % (mine.key, mine.cas)])[0])
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         server = self._server(name)
-        with self.translate("extend", _ERRORS):
-            mine = self._mine(server, name, owner)
-            if mine is None:
-                return None
-            now = server.now()
-            data = mine.data
-            value = self._lease_value(name, owner, data["i"], mine.token, mine.acquired, now + ttl)
-            args = (mine.key, len(value), _ttl_arg(ttl, now), mine.cas, value)
-            if not _stored(server.exchange([REPLACE_IF % args])[0]):
-                return None
-            return Grant(mine.token, _dt(now + ttl))
+        return self._on(server, "extend", self._extend, server, name, owner, ttl)
+
+    def _extend(
+        self, conn: _Connection, server: _Server, name: str, owner: str, ttl: float
+    ) -> Grant | None:
+        held = self._forget(name, owner, conn)
+        if held is not None and (grant := self._rewrite(conn, server, name, owner, held, ttl)):
+            return grant
+        # Unknown, or changed since we wrote it (EX) or gone (NF): read once to decide.
+        mine = self._mine(conn, name, owner)
+        if mine is None:
+            return None
+        acquired_ms = _ms(mine.acquired)
+        held = _Held(mine.key, mine.cas, b"", mine.token, mine.data["i"], acquired_ms)
+        return self._rewrite(conn, server, name, owner, held, ttl)
+
+    def _rewrite(
+        self, conn: _Connection, server: _Server, name: str, owner: str, held: _Held, ttl: float
+    ) -> Grant | None:
+        """Give our lease ``held`` a new expiry if its CAS is still ``held.cas`` (one trip).
+        The item gets a new CAS, so the value now carries its token; we remember the CAS."""
+        now = server.now()
+        value = self._lease_value(
+            name, owner, held.info, b'"t":%d' % held.token, held.acquired_ms, _ms(now + ttl)
+        )
+        args = (held.key, len(value), _ttl_arg(ttl, now), held.cas, value)
+        reply = conn.exchange([REPLACE_IF % args])[0]
+        if not _stored(reply):
+            return None
+        if conn.instance is not None:
+            self._remember(name, owner, held._replace(cas=_new_cas(reply), instance=conn.instance))
+        return Grant(held.token, _dt(now + ttl))
 
     def inspect(self, name: str) -> LockInfo | None:
-        with self.translate("inspect", _ERRORS):
-            live = [s for s in self._slots(self._server(name), name) if s is not None]
+        live = [s for s in self._on(self._server(name), "inspect", self._slots, name) if s]
         if not live:
             return None
         live.sort(key=lambda s: (s.acquired, s.token))
@@ -445,19 +683,25 @@ class MemcachedBackend(Backend):
         )
 
     def force_release(self, name: str) -> bool:
-        server = self._server(name)
-        with self.translate("force_release", _ERRORS):
-            live = [s for s in self._slots(server, name) if s is not None]
-            if not live:
-                return False
-            replies = server.exchange([DELETE % s.key for s in live])
-            return any(_stored(r) for r in replies)
+        return self._on(self._server(name), "force_release", self._force_release, name)
+
+    def _force_release(self, conn: _Connection, name: str) -> bool:
+        known = self._limits.get(name, 1)
+        keys = [self._key("lock", name, i) for i in range(known)]
+        replies = conn.exchange([READ % self._key("limit", name), *(DELETE % k for k in keys)])
+        deleted = [_stored(r) for r in replies[1:]]
+        limit = _limit(replies[0])
+        if limit > known:  # a semaphore with more slots than we knew
+            self._limits[name] = limit
+            more = [self._key("lock", name, i) for i in range(known, limit)]
+            deleted += [_stored(r) for r in conn.exchange([DELETE % k for k in more])]
+        return any(deleted)  # md answers HD only for a live item
 
     def purge_expired(self) -> int:
         """memcached drops expired items itself: there is never anything to purge."""
         return 0
 
-    # -- batch claims: two round trips per server involved, whatever the number of names ---
+    # -- batch claims: one round trip per server involved, whatever the number of names ----
 
     def _by_server(self, names: Sequence[str]) -> dict[_Server, _Names]:
         groups: dict[_Server, _Names] = {}
@@ -469,83 +713,119 @@ class MemcachedBackend(Backend):
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
     ) -> dict[str, Grant]:
         grants: dict[str, Grant] = {}
-        with self.translate("claim", _ERRORS):
-            for server, group in self._by_server(names).items():
-                stamp = _ms(server.now())
-                counters = [NEXT_TOKEN % (self._key("fence", n), stamp) for n in group]
-                tokens = [_counter(r) for r in server.exchange(counters)]
-                now = server.now()
-                expiry = _ttl_arg(ttl, now)
-                adds = []
-                for name, token in zip(group, tokens, strict=True):
-                    value = self._lease_value(name, owner, owner_info, token, now, now + ttl)
-                    adds.append(ADD % (self._key("lock", name), len(value), expiry, value))
-                replies = server.exchange(adds)
-                for name, token, reply in zip(group, tokens, replies, strict=True):
-                    if _stored(reply):
-                        grants[name] = Grant(token, _dt(now + ttl))
+        for server, group in self._by_server(names).items():
+            grants.update(
+                self._on(server, "claim", self._claim, server, group, owner, owner_info, ttl)
+            )
+        return grants
+
+    def _claim(
+        self, conn: _Connection, server: _Server, names: _Names, owner: str, owner_info: str,
+        ttl: float,
+    ) -> dict[str, Grant]:  # fmt: skip
+        """Add every name's lease in one pipelined batch; the names held already are skipped."""
+        now = server.now()
+        acquired, expires, expiry = _ms(now), _ms(now + ttl), _ttl_arg(ttl, now)
+        part = b'"s":%d' % conn.started
+        keys, adds = [], []
+        for name in names:
+            key = self._key("lock", name)
+            value = self._lease_value(name, owner, owner_info, part, acquired, expires)
+            keys.append(key)
+            adds.append(ADD % (key, len(value), expiry, value))
+        grants: dict[str, Grant] = {}
+        for name, key, reply in zip(names, keys, conn.exchange(adds), strict=True):
+            if not _stored(reply):
+                continue  # held by someone else: skipped
+            cas = _new_cas(reply)
+            token = _token(conn.started, cas)
+            if conn.instance is not None:
+                held = _Held(key, cas, conn.instance, token, owner_info, acquired)
+                self._remember(name, owner, held)
+            grants[name] = Grant(token, _dt(now + ttl))
         return grants
 
     def release_many(self, names: Sequence[str], owner: str) -> int:
+        return sum(
+            self._on(server, "release_many", self._release_group, group, owner)
+            for server, group in self._by_server(names).items()
+        )
+
+    def _release_group(self, conn: _Connection, names: _Names, owner: str) -> int:
+        """Release our leases among ``names`` on one server: one round trip when this backend
+        claimed them all; two for the others (read, then delete ours); a remembered lease that
+        changed since is read once, so three at most."""
         released = 0
-        with self.translate("release_many", _ERRORS):
-            for server, group in self._by_server(names).items():
-                keys = [self._key("lock", n) for n in group]
-                replies = server.exchange([READ % k for k in keys])
-                leases = [_lease(k, r) for k, r in zip(keys, replies, strict=True)]
-                mine = [s for s in leases if s is not None and s.owner == owner]
-                if mine:
-                    replies = server.exchange([DELETE_IF % (s.key, s.cas) for s in mine])
-                    released += sum(_stored(r) for r in replies)
+        deletes: list[tuple[bytes, int, bool]] = []  # key, CAS, remembered (not just read)?
+        reads: list[bytes] = []
+        for name in names:
+            held = self._forget(name, owner, conn)
+            if held is None:
+                reads.append(self._key("lock", name))
+            else:
+                deletes.append((held.key, held.cas, True))
+        while deletes or reads:
+            replies = conn.exchange(
+                [DELETE_IF % (k, cas) for k, cas, _ in deletes] + [READ % k for k in reads]
+            )
+            done = [_stored(r) for r in replies[: len(deletes)]]
+            released += sum(done)
+            leases = [_lease(k, r) for k, r in zip(reads, replies[len(deletes) :], strict=True)]
+            reads = [k for (k, _, mem), ok in zip(deletes, done, strict=True) if mem and not ok]
+            deletes = [(s.key, s.cas, False) for s in leases if s and s.owner == owner]
         return released
 
     # -- versioned records: {"v": version, "d": JSON text}, CAS-checked writes ---------------
 
-    def _record(self, server: _Server, key: bytes) -> tuple[str | None, int, int]:
-        reply = server.exchange([READ % key])[0]
+    def _record(self, conn: _Connection, key: bytes) -> tuple[str | None, int, int]:
+        reply = conn.exchange([READ % key])[0]
         if reply.code == b"EN":
             return None, 0, 0
         if reply.code != b"VA" or reply.value is None:
             raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
         try:
             data = json.loads(reply.value)
-            return str(data["d"]), int(data["v"]), reply.flag("c")
+            return str(data["d"]), int(data["v"]), reply.flag(b"c")
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"unreadable record at {key!r}: {exc}") from None
 
     def record_get(self, name: str) -> tuple[str | None, int]:
-        with self.translate("record_get", _ERRORS):
-            value, version, _ = self._record(self._server(name), self._key("record", name))
+        key = self._key("record", name)
+        value, version, _ = self._on(self._server(name), "record_get", self._record, key)
         return value, version
 
     def record_set(self, name: str, value: str, version: int) -> int | None:
-        server, key = self._server(name), self._key("record", name)
+        key = self._key("record", name)
+        return self._on(self._server(name), "record_set", self._record_set, key, value, version)
+
+    def _record_set(self, conn: _Connection, key: bytes, value: str, version: int) -> int | None:
         data = json.dumps({"v": version + 1, "d": value}, separators=(",", ":")).encode()
-        with self.translate("record_set", _ERRORS):
-            if version == 0:
-                written = _stored(server.exchange([ADD % (key, len(data), 0, data)])[0])
-            else:
-                _, current, cas = self._record(server, key)
-                if current != version:
-                    return None
-                reply = server.exchange([REPLACE_IF % (key, len(data), 0, cas, data)])[0]
-                written = _stored(reply)
+        if version == 0:
+            written = _stored(conn.exchange([ADD % (key, len(data), 0, data)])[0])
+        else:
+            _, current, cas = self._record(conn, key)
+            if current != version:
+                return None
+            reply = conn.exchange([REPLACE_IF % (key, len(data), 0, cas, data)])[0]
+            written = _stored(reply)
         return version + 1 if written else None
 
     def record_delete(self, name: str, version: int) -> bool:
-        server, key = self._server(name), self._key("record", name)
-        with self.translate("record_delete", _ERRORS):
-            _, current, cas = self._record(server, key)
-            if version == 0 or current != version:
-                return False
-            return _stored(server.exchange([DELETE_IF % (key, cas)])[0])
+        key = self._key("record", name)
+        return self._on(self._server(name), "record_delete", self._record_delete, key, version)
+
+    def _record_delete(self, conn: _Connection, key: bytes, version: int) -> bool:
+        _, current, cas = self._record(conn, key)
+        if version == 0 or current != version:
+            return False
+        return _stored(conn.exchange([DELETE_IF % (key, cas)])[0])
 
     # -- clock and lifecycle -----------------------------------------------------------------
 
     def now(self) -> datetime:
         """The first server's clock: its whole-second ``stats`` time, ± 0.5 s."""
-        with self.translate("now", _ERRORS):
-            return _dt(next(iter(self._servers.values())).read_clock())
+        server = next(iter(self._servers.values()))
+        return _dt(self._on(server, "now", server.read_clock))
 
     def close(self) -> None:
         for server in self._servers.values():
