@@ -94,14 +94,20 @@ TAKE_EXPIRED = """
     acquired_at = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(acquired_at), acquired_at),
     expires_at  = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(expires_at), expires_at)"""
 
-# The live leases of a name, soonest-expiring first, one tab-joined column per lease: whether
-# it is ours, token, expires_at, acquired_at, microseconds until it ends, owner_info (last: the
-# JSON never holds a raw tab). One column, not six: PyMySQL parses every column descriptor of
-# every result in Python, which cost more than the statement itself. In: owner, name.
-LIVE_OF = """
-SELECT CONCAT_WS(CHAR(9 USING utf8mb4), owner = %(owner)s, token, expires_at, acquired_at,
-                 TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)
-  FROM {t} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6) ORDER BY expires_at"""
+# One lease as one tab-joined text column: ours → '1', token, expires_at; another owner's →
+# '0', token, expires_at, acquired_at, microseconds until it ends, owner_info (last: the JSON
+# never holds a raw tab). One column, not six: PyMySQL parses every column descriptor in
+# Python, which cost more than the statement itself; and a grant (the usual answer) carries
+# neither the owner JSON nor the times it does not need. {me}: the owner token's marker.
+LEASE_TEXT = """IF(owner = {me},
+    CONCAT_WS(CHAR(9 USING utf8mb4), 1, token, expires_at),
+    CONCAT_WS(CHAR(9 USING utf8mb4), 0, token, expires_at, acquired_at,
+              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info))"""
+
+# The live leases of a name, soonest-expiring first, each as LEASE_TEXT. In: owner, name.
+LIVE_OF = f"""
+SELECT {LEASE_TEXT.format(me="%(owner)s")}
+  FROM {{t}} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6) ORDER BY expires_at"""
 
 # Mutex acquire: one statement. In: name, owner, info, ttl_us. Takes slot 0 if it is absent
 # or expired; then LIVE_OF tells whether we hold it (our token, expiry) or who does.
@@ -116,13 +122,12 @@ ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 # it now stands, ours (taken) or the live holder's (busy: a mutex has one), so the read-back
 # statement and its result set are saved. Prepared once per connection (PREPARED below): the
 # server then parses only the short EXECUTE, not this text, at each acquire. In (?): name,
-# owner, info, ttl_us, owner. Out: one row, as LIVE_OF's.
+# owner, info, ttl_us, owner. Out: one row, LEASE_TEXT.
 ACQUIRE_RETURNING = f"""
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
 VALUES (?, 0, ?, ?, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED}
-RETURNING CONCAT_WS(CHAR(9 USING utf8mb4), owner = ?, token, expires_at, acquired_at,
-                    TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)"""
+RETURNING {LEASE_TEXT.format(me="?")}"""
 
 # Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the
 # lowest free slot below the limit (an expired row, or a missing slot number); that is only
@@ -364,9 +369,9 @@ class MySQLBackend(Backend):
         if rows is None:
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
-        for ours, token, expires, *_ in leases:
-            if ours == "1":
-                return Grant(int(token), _datetime(expires))
+        for lease in leases:
+            if lease[0] == "1":  # ours: '1', token, expires_at
+                return Grant(int(lease[1]), _datetime(lease[2]))
         if not leases:
             return Busy(0)  # the lease we found live ended before we read it: retry
         _, token, expires, acquired, micros, info = leases[0]
