@@ -53,21 +53,24 @@ _PLAIN = re.compile(r"^[a-z0-9_:./-]+$")
 _UNREADABLE = re.compile(r"[^a-z0-9_:./-]")
 HASH_HEX = 24  # 96 bits of SHA-256
 
-# Tries the lock without waiting. In: key. Out, one column (the simple CASE evaluates GET_LOCK
+# Tries the lock without waiting. In: key, key. Out, one column (the simple CASE evaluates GET_LOCK
 # once): 0 taken; the holding connection's id when busy; -1 busy but released in between;
 # NULL when GET_LOCK failed (session killed, out of memory). A process-list look-up here would
-# cost more than the lock itself, so only inspect() names the holder's client host.
+# cost more than the lock itself, so only inspect() names the holder's client host. Short
+# column aliases here and below: a column's name is otherwise its expression's text (with the
+# key in it), sent and parsed at every call.
 TRY_LOCK = """
-SELECT CASE GET_LOCK(%(key)s, 0) WHEN 1 THEN 0 WHEN 0 THEN IFNULL(IS_USED_LOCK(%(key)s), -1) END"""
+SELECT CASE GET_LOCK(%s, 0) WHEN 1 THEN 0 WHEN 0 THEN IFNULL(IS_USED_LOCK(%s), -1) END AS r"""
 # Ends the lock if this session holds it. Out: 1 released, 0 held by another session, NULL
 # no such lock.
-RELEASE_LOCK = "SELECT RELEASE_LOCK(%s)"
+RELEASE_LOCK = "SELECT RELEASE_LOCK(%s) AS r"
 # Whether this very session (not a reconnected one) still holds the key. Out: 1 or 0/NULL.
-HOLDS = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"
+HOLDS = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID() AS r"
 # Who holds a key: the connection id (NULL: free), whether it is us, its client host.
+# In: key, key, key.
 INSPECT = """
-SELECT IS_USED_LOCK(%(key)s), IS_USED_LOCK(%(key)s) = CONNECTION_ID(),
-       (SELECT HOST FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK(%(key)s))"""
+SELECT IS_USED_LOCK(%s), IS_USED_LOCK(%s) = CONNECTION_ID(),
+       (SELECT HOST FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK(%s))"""
 # Ends another session (and so every lock it holds): the only way to take its lock. In: id.
 KILL = "KILL CONNECTION %s"
 # Batch claim: {calls} is one "GET_LOCK(%s, 0)" per key, each evaluated once, in one row.
@@ -128,6 +131,7 @@ class GetLockBackend(Backend):
         self.prefix: str = self.config["prefix"]
         self._connect_args = connect_args(self)
         self._conn: Any = None
+        self._cur: Any = None  # the session's one cursor, reused by every call
         self._pid = 0
         self._mutex = threading.Lock()
         # key -> (owner token, owner_info): the locks this process holds through _conn.
@@ -138,32 +142,29 @@ class GetLockBackend(Backend):
 
     # -- connection ----------------------------------------------------------------------------
 
-    def _connection(self) -> Any:
-        """The session (call under the mutex). A new one after a failure or a fork starts
-        with no locks: those of the old session died with it (or belong to the parent)."""
+    def _session(self) -> None:
+        """Make sure the session is open (call under the mutex). A new one after a failure or
+        a fork starts with no locks: those of the old session died with it (or belong to the
+        parent). No round trip: a session the server ended shows as input on the idle socket."""
         if self._conn is not None and self._pid == os.getpid():
             if not server_hung_up(self._conn):
-                return self._conn
+                return
             self._lose_session()  # the server ended our session: its locks are gone
-        self._conn, self._held = None, {}  # after fork: the parent's session, not ours
+        self._conn, self._cur, self._held = None, None, {}  # after fork: the parent's
         self._conn = pymysql.connect(**self._connect_args)
+        self._cur = self._conn.cursor()
         self._pid = os.getpid()
-        return self._conn
 
-    def _query(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        """Run one query on the session (under the mutex); return the last result set."""
-        with self._connection().cursor() as cur:
-            cur.execute(sql, params)
-            rows: list[tuple[Any, ...]] = []
-            while True:
-                if cur.description:
-                    rows = list(cur.fetchall())
-                if not cur.nextset():
-                    return rows
+    def _query(self, sql: str, params: Any = None) -> Sequence[tuple[Any, ...]]:
+        """Run one single-statement query on the session (under the mutex, after _session()
+        or a true _mine() in the same hold); return its rows."""
+        self._cur.execute(sql, params)
+        rows: Sequence[tuple[Any, ...]] = self._cur.fetchall()
+        return rows
 
     def _lose_session(self) -> None:
         """Close a failed session: the server ends its locks, so they are lost to us."""
-        conn, self._conn, self._held = self._conn, None, {}
+        conn, self._conn, self._cur, self._held = self._conn, None, None, {}
         if conn is not None and self._pid == os.getpid():
             with contextlib.suppress(*DRIVER_ERRORS):
                 conn.close()
@@ -191,10 +192,10 @@ class GetLockBackend(Backend):
         key = self.key(name)
         with self._mutex:
             try:
-                self._connection()
+                self._session()
                 if key in self._held:  # ours already, for another owner: re-entry would succeed
                     return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
-                (outcome,) = self._query(TRY_LOCK, {"key": key})[0]
+                (outcome,) = self._query(TRY_LOCK, (key, key))[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"acquire {name!r}")
             if outcome is None:
@@ -209,8 +210,14 @@ class GetLockBackend(Backend):
     def release(self, name: str, owner: str) -> bool:
         key = self.key(name)
         with self._mutex:
-            if not self._mine(key, owner):
+            entry = self._held.get(key)
+            if entry is None or entry[0] != owner:
                 return False
+            if self._conn is None or self._pid != os.getpid():
+                self._lose_session()  # a fork's copy of the parent's session: not ours
+                return False
+            # No liveness check first: on a session the server ended, RELEASE_LOCK fails and
+            # the answer is the same, False (its locks ended with it).
             try:
                 (released,) = self._query(RELEASE_LOCK, (key,))[0]
             except DRIVER_ERRORS:
@@ -249,7 +256,7 @@ class GetLockBackend(Backend):
         """Our session died: raise StoreUnavailable if the server cannot be reached either
         (an outage); return if it can (the lock is lost: killed session, or a restart)."""
         try:
-            self._connection()
+            self._session()
         except DRIVER_ERRORS as exc:
             self._failed(exc, action)
 
@@ -257,7 +264,8 @@ class GetLockBackend(Backend):
         key = self.key(name)
         with self._mutex:
             try:
-                holder_id, ours, host = self._query(INSPECT, {"key": key})[0]
+                self._session()
+                holder_id, ours, host = self._query(INSPECT, (key, key, key))[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"inspect {name!r}")
             if holder_id is None:
@@ -279,10 +287,11 @@ class GetLockBackend(Backend):
         key = self.key(name)
         with self._mutex:
             try:
-                if key in self._held and self._conn is not None and self._pid == os.getpid():
+                self._session()  # a session found ended takes its locks (and _held) with it
+                if key in self._held:
                     del self._held[key]
                     return bool(self._query(RELEASE_LOCK, (key,))[0][0] == 1)
-                holder_id, ours, _ = self._query(INSPECT, {"key": key})[0]
+                holder_id, ours, _ = self._query(INSPECT, (key, key, key))[0]
                 if holder_id is None or ours == 1:
                     return False
                 self._query(KILL, (int(holder_id),))
@@ -304,7 +313,7 @@ class GetLockBackend(Backend):
     ) -> dict[str, Grant]:
         with self._mutex:
             try:
-                self._connection()
+                self._session()
                 candidates: dict[str, str] = {}
                 for name in names:
                     key = self.key(name)
@@ -349,6 +358,7 @@ class GetLockBackend(Backend):
     def now(self) -> datetime:
         with self._mutex:
             try:
+                self._session()
                 return utc(self._query(NOW)[0][0])
             except DRIVER_ERRORS as exc:
                 self._failed(exc, "read the clock")
@@ -356,7 +366,7 @@ class GetLockBackend(Backend):
     def init(self) -> None:
         with self._mutex:
             try:
-                self._connection()
+                self._session()
             except DRIVER_ERRORS as exc:
                 self._failed(exc, "connect")
 
