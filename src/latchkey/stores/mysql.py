@@ -98,11 +98,12 @@ TAKE_EXPIRED = """
 # '0', token, expires_at, acquired_at, microseconds until it ends, owner_info (last: the JSON
 # never holds a raw tab). One column, not six: PyMySQL parses every column descriptor in
 # Python, which cost more than the statement itself; and a grant (the usual answer) carries
-# neither the owner JSON nor the times it does not need. {me}: the owner token's marker.
+# neither the owner JSON nor the times it does not need. The alias keeps the column's name
+# (otherwise this text, sent and parsed at every call) short. {me}: the owner token's marker.
 LEASE_TEXT = """IF(owner = {me},
     CONCAT_WS(CHAR(9 USING utf8mb4), 1, token, expires_at),
     CONCAT_WS(CHAR(9 USING utf8mb4), 0, token, expires_at, acquired_at,
-              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info))"""
+              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)) AS lease"""
 
 # The live leases of a name, soonest-expiring first, each as LEASE_TEXT. In: owner, name.
 LIVE_OF = f"""
