@@ -75,7 +75,7 @@ def getlock(base: str) -> Iterator[GetLockBackend]:
     b.close()
 
 
-def _root(url: str) -> pymysql.connections.Connection:  # type: ignore[type-arg]
+def _root(url: str) -> pymysql.connections.Connection:
     b = open_backend(url)
     assert isinstance(b, MySQLBackend)
     return pymysql.connect(**b._connect_args)
@@ -239,6 +239,57 @@ def test_claim_that_loses_a_deadlock_takes_nothing(base: str) -> None:
     finally:
         conn.close()
         backend.close()
+
+
+def test_mariadb_runs_the_hot_statements_prepared(backend: MySQLBackend, table_url: str) -> None:
+    """On MariaDB acquire and release are EXECUTEs of statements prepared per connection; a
+    connection the server ended is replaced and its statements prepared again."""
+    backend.init()
+    conn = _root(table_url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT VERSION()")
+            if "mariadb" not in str(cur.fetchone()[0]).lower():
+                pytest.skip("MySQL server: the statements are sent as text")
+            assert backend._sql["acquire"].startswith("EXECUTE latchkey_acquire")
+            owner = _owner()
+            first = backend.acquire("prepared", owner, INFO, 30)
+            assert isinstance(first, Grant)
+            busy = backend.acquire("prepared", _owner(), INFO, 30)
+            assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
+            assert busy.holder.token == first.token and busy.holder.owner.host == "h"
+            assert 29 < (busy.retry_after or 0) <= 30
+            assert backend._conn is not None
+            cur.execute("KILL CONNECTION %s", (backend._conn.thread_id(),))
+        time.sleep(0.2)
+        assert backend.release("prepared", owner) is True  # a new connection, prepared again
+        again = backend.acquire("prepared", owner, INFO, 30)
+        assert isinstance(again, Grant) and again.token and first.token
+        assert again.token > first.token
+    finally:
+        conn.close()
+
+
+def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
+    """MySQL has neither INSERT … RETURNING nor EXECUTE … USING with values: there a mutex
+    acquire is the upsert then a read of the name's live leases, in one round trip. MariaDB
+    accepts those statements too, so they are checked here."""
+    backend.init()
+    backend._sql = dict(backend._base_sql)  # what _cursor() sets up for a MySQL server
+    first, second = _owner(), _owner()
+    grant = backend.acquire("text", first, INFO, 30)
+    assert isinstance(grant, Grant) and grant.token is not None
+    busy = backend.acquire("text", second, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
+    assert busy.holder.token == grant.token
+    assert backend.release("text", second) is False
+    assert backend.release("text", first) is True
+    short = backend.acquire("text", second, INFO, 0.01)
+    assert isinstance(short, Grant) and short.token is not None and short.token > grant.token
+    time.sleep(0.05)
+    taken = backend.acquire("text", first, INFO, 30)  # over the expired row
+    assert isinstance(taken, Grant) and taken.token is not None and taken.token > short.token
+    assert backend.release("text", second) is False
 
 
 def test_a_forked_child_uses_its_own_connection(backend: MySQLBackend) -> None:
