@@ -52,13 +52,14 @@ _HOLDERS = """
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
 """
 
-# Inputs: key, hi, lo. Tries the lock without waiting; if busy, the same round trip reports
-# the holding session (the lateral part is skipped when the lock was taken).
-# Result: (taken, holder pid, application_name, client address).
-TRY_LOCK = f"""
-WITH attempt AS (SELECT pg_try_advisory_lock(%(key)s::bigint) AS taken)
-SELECT attempt.taken, h.pid, h.application_name, h.client_addr
-FROM attempt LEFT JOIN LATERAL ({_HOLDERS} AND NOT attempt.taken LIMIT 1) AS h ON true
+# Input: key. Tries the lock without waiting. Result: whether it was taken. (Looking the
+# holder up in the same statement cost ~40% of an uncontended acquire even when it was
+# skipped, so the busy path asks HOLDER separately.)
+TRY_LOCK = "SELECT pg_try_advisory_lock(%(key)s::bigint)"
+# Inputs: hi, lo. The session holding the key, for a busy answer.
+# Result: (holder pid, application_name, client address) or no row.
+HOLDER = f"""
+SELECT h.pid, h.application_name, h.client_addr FROM ({_HOLDERS} LIMIT 1) AS h
 """  # only the constant _HOLDERS is spliced in
 
 # Inputs: key, channel. Unlocks (only this session's own lock can be unlocked) and wakes
@@ -211,17 +212,17 @@ class AdvisoryBackend(Backend):
                 conn = self._conn()
                 if key in self._held:  # held through our own session: re-entry would succeed
                     return Busy(holders=1, holder=self._local_holder(key))
-                params = {"key": key, **_halves(key)}
-                row = conn.execute(TRY_LOCK, params, prepare=True).fetchone()
+                row = conn.execute(TRY_LOCK, {"key": key}, prepare=True).fetchone()
+                assert row is not None
+                if row[0]:
+                    self._held[key] = (owner, owner_info, self._session.generation)
+                    return Grant(token=None, expires_at=None)
+                found = conn.execute(HOLDER, _halves(key), prepare=True).fetchone()
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"acquire {name!r}")
-            assert row is not None
-            taken, pid, app, client = row
-            if taken:
-                self._held[key] = (owner, owner_info, self._session.generation)
-                return Grant(token=None, expires_at=None)
-        if pid is None:  # released between our attempt and the look-up: retry at once
+        if found is None:  # released between our attempt and the look-up: retry at once
             return Busy(holders=0)
+        _pid, app, client = found
         holder = Holder(None, _owner_from_session(app, client), None, None)
         return Busy(holders=1, holder=holder)
 

@@ -133,8 +133,14 @@ LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON
 # Inputs: name, owner, channel. Deletes owner's row of ``name`` (live or expired; an owner
 # token holds at most one slot) and notifies waiters when the transaction commits.
 # Result: whether the deleted lease was still live; no row if there was none.
+# The release commits asynchronously (synchronous_commit off for this transaction only): a
+# release lost in a crash leaves the lease to expire by its TTL — a delay, never a second
+# holder — and the next durable commit (the waiter's acquire) flushes it anyway. It saves a
+# WAL flush on the hand-off path. Acquire and extend stay durable: losing one of those could
+# let two holders overlap.
 RELEASE = """
 DELETE FROM {locks} WHERE name = %(name)s AND owner = %(owner)s
+  AND set_config('synchronous_commit', 'off', true) IS NOT NULL
 RETURNING expires_at > now(), pg_notify(%(channel)s, encode(name, 'hex'))
 """
 
