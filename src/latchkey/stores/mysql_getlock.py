@@ -53,14 +53,15 @@ _PLAIN = re.compile(r"^[a-z0-9_:./-]+$")
 _UNREADABLE = re.compile(r"[^a-z0-9_:./-]")
 HASH_HEX = 24  # 96 bits of SHA-256
 
-# Tries the lock without waiting. In: key, key. Out, one column (the simple CASE evaluates GET_LOCK
-# once): 0 taken; the holding connection's id when busy; -1 busy but released in between;
-# NULL when GET_LOCK failed (session killed, out of memory). A process-list look-up here would
-# cost more than the lock itself, so only inspect() names the holder's client host. Short
-# column aliases here and below: a column's name is otherwise its expression's text (with the
-# key in it), sent and parsed at every call.
-TRY_LOCK = """
-SELECT CASE GET_LOCK(%s, 0) WHEN 1 THEN 0 WHEN 0 THEN IFNULL(IS_USED_LOCK(%s), -1) END AS r"""
+# Tries the lock without waiting. In: key. Out: 1 taken, 0 busy, NULL when GET_LOCK failed
+# (session killed, out of memory). Nothing else: who holds it is asked only when busy (below),
+# so the usual, uncontended call is the bare GET_LOCK. Short column aliases here and below: a
+# column's name is otherwise its expression's text (with the key in it), parsed at each call.
+TRY_LOCK = "SELECT GET_LOCK(%s, 0) AS r"
+# After a busy TRY_LOCK: the holding connection's id, NULL if it was released in between. In:
+# key. A process-list look-up here would cost more than the lock itself, so only inspect()
+# names the holder's client host.
+HOLDER_OF = "SELECT IS_USED_LOCK(%s) AS r"
 # Ends the lock if this session holds it. Out: 1 released, 0 held by another session, NULL
 # no such lock.
 RELEASE_LOCK = "SELECT RELEASE_LOCK(%s) AS r"
@@ -195,17 +196,18 @@ class GetLockBackend(Backend):
                 self._session()
                 if key in self._held:  # ours already, for another owner: re-entry would succeed
                     return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
-                (outcome,) = self._query(TRY_LOCK, (key, key))[0]
+                (taken,) = self._query(TRY_LOCK, (key,))[0]
+                if taken is None:
+                    self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
+                if taken == 1:
+                    self._held[key] = (owner, owner_info)
+                    return Grant(None, None)
+                (holder_id,) = self._query(HOLDER_OF, (key,))[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"acquire {name!r}")
-            if outcome is None:
-                self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
-            if int(outcome) == 0:
-                self._held[key] = (owner, owner_info)
-                return Grant(None, None)
-        if int(outcome) < 0:
+        if holder_id is None:
             return Busy(0)  # released between our attempt and the look-up: retry at once
-        return Busy(1, _other_holder(outcome, None))
+        return Busy(1, _other_holder(holder_id, None))
 
     def release(self, name: str, owner: str) -> bool:
         key = self.key(name)
