@@ -466,6 +466,24 @@ def test_getlock_plain_key_is_visible_to_other_tools(getlock: GetLockBackend, ba
     getlock.release("jobs:nightly", owner)
 
 
+def test_getlock_one_take_one_count(getlock: GetLockBackend, base: str) -> None:
+    """The take answers in its row count, with GET_LOCK inside a WHERE: it must run once (a
+    second run would count a re-entry, and one release would leave the key held)."""
+    owner = _owner()
+    assert isinstance(getlock.acquire("counted", owner, INFO, 1), Grant)
+    conn = _root(base)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT IS_USED_LOCK('t:counted') IS NOT NULL")
+            assert cur.fetchone() == (1,)
+            assert getlock.release("counted", owner) is True
+            cur.execute("SELECT IS_USED_LOCK('t:counted')")
+            assert cur.fetchone() == (None,)
+            assert getlock.release("counted", owner) is False
+    finally:
+        conn.close()
+
+
 def test_getlock_zero_is_busy_and_null_is_unavailable(
     getlock: GetLockBackend, base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
