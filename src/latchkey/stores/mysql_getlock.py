@@ -28,6 +28,7 @@ optional instrumentation), versioned records.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -46,6 +47,8 @@ from latchkey.errors import Unsupported
 from latchkey.stores.base import Backend, Capabilities, Waiter
 from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, server_hung_up, utc
 
+#: What a granted (or still held) lock is: no token, no expiry. Immutable, so shared.
+HELD = Grant(None, None)
 #: MySQL's limit on a user-level lock name (MariaDB accepts longer ones).
 MAX_KEY = 64
 PREFIX_MAX = 24
@@ -101,6 +104,7 @@ def getlock_prefix(text: str) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=1024)  # a name's key is computed at each acquire and release
 def lock_key(name: str, prefix: str = "latchkey:") -> str:
     """The GET_LOCK key of ``name``: ``prefix + name`` if plain and short, else hashed."""
     room = MAX_KEY - len(prefix)
@@ -209,7 +213,7 @@ class GetLockBackend(Backend):
                     return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
                 if self._count(TRY_LOCK, (key,)) == 1:
                     self._held[key] = (owner, owner_info)
-                    return Grant(None, None)
+                    return HELD
                 got, holder_id = self._query(HOLDER_OF, (key,))[0]
                 if got is None:
                     self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
@@ -262,7 +266,7 @@ class GetLockBackend(Backend):
             if holds != 1:  # the session lives on but no longer holds it
                 del self._held[key]
                 return None
-        return Grant(None, None)
+        return HELD
 
     def _reachable(self, action: str) -> None:
         """Our session died: raise StoreUnavailable if the server cannot be reached either
@@ -343,7 +347,7 @@ class GetLockBackend(Backend):
             taken = {candidates[key] for key, got in zip(keys, row, strict=True) if int(got) == 1}
             for name in taken:
                 self._held[self.key(name)] = (owner, owner_info)
-        return {name: Grant(None, None) for name in names if name in taken}
+        return {name: HELD for name in names if name in taken}
 
     def release_many(self, names: Sequence[str], owner: str) -> int:
         with self._mutex:
