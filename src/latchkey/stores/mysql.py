@@ -6,14 +6,16 @@ the fencing token and the server-clock times (``UTC_TIMESTAMP(6)``). Names are s
 UTF-8 bytes (``VARBINARY(255)``, compared bytewise), so any character, NUL included,
 round-trips.
 
-Every primitive is one round trip, and acquire is one autocommitted statement: an
-``INSERT … ON DUPLICATE KEY UPDATE`` whose every assignment is conditional on the old lease
-having expired, followed (in the same multi-statement query) by a plain read of the name's
-live leases that tells whether we won and, if not, who holds it until when. The row's X lock
-makes concurrent takers of one slot queue; the second sees the first's live lease and changes
-nothing, so two owners never hold one slot whatever the isolation level (REPEATABLE READ, the
-server default, is fine). A deadlock or lock-wait timeout is reported as a lost race (``Busy``
-with fewer holders than the limit), so the core retries at once.
+Every primitive is one round trip, and acquire is one autocommitted statement: an ``INSERT … ON
+DUPLICATE KEY UPDATE`` whose every assignment is conditional on the old lease having expired; on
+MariaDB it ends in ``RETURNING`` the row as it now stands and runs as a statement prepared once
+per connection (acquire and release are then short ``EXECUTE`` statements); on MySQL it is
+followed, in the same multi-statement query, by a plain read of the name's live leases. Either
+tells whether we won and, if not, who holds it until when. The row's X lock makes concurrent
+takers of one slot queue; the second sees the first's live lease and changes nothing, so two
+owners never hold one slot whatever the isolation level (REPEATABLE READ, the server default, is
+fine). A deadlock or lock-wait timeout is reported as a lost race (``Busy`` with fewer holders
+than the limit), so the core retries at once.
 
 Fencing tokens are the lease table's ``AUTO_INCREMENT`` column: the upsert draws a fresh value
 for every row it inserts and copies it (``VALUES(token)``) into every row it takes over, so a
