@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import itertools
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
-from latchkey._types import Busy, Grant, LockInfo
+from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, read_options
 from latchkey.errors import StoreUnavailable, Unsupported
 
@@ -220,3 +221,11 @@ class EventWaiter(Waiter):
     def close(self) -> None:
         if self._on_close is not None:
             self._on_close()
+
+
+def group_by_name(
+    rows: Iterable[Sequence[Any]], holder: Callable[[Sequence[Any]], Holder]
+) -> Iterator[LockInfo]:
+    """SQL rows ordered by name (``row[0]``: the name's UTF-8 bytes) → one LockInfo per name."""
+    for key, group in itertools.groupby(rows, key=lambda row: bytes(row[0])):
+        yield LockInfo(key.decode(), tuple(holder(row) for row in group))

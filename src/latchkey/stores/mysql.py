@@ -46,7 +46,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, identifier
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import Backend, Capabilities, group_by_name
 
 SCHEMA_VERSION = 1
 DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
@@ -417,7 +417,7 @@ class MySQLBackend(Backend):
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
         pattern = _like_prefix(prefix.encode())
         rows = self._call("list", "list", (pattern,))[0]
-        yield from _group(rows)
+        yield from group_by_name(rows, _holder)
 
     def force_release(self, name: str) -> bool:
         return self._call("force release", "force_release", (name.encode(),))[1] > 0
@@ -524,17 +524,3 @@ def _like_prefix(prefix: bytes) -> bytes:
         prefix = prefix.replace(special, b"!" + special)
     return prefix + b"%"
 
-
-def _group(rows: Sequence[Sequence[Any]]) -> Iterator[LockInfo]:
-    """Rows ordered by name → one LockInfo per name."""
-    current: bytes | None = None
-    holders: list[Holder] = []
-    for row in rows:
-        key = bytes(row[0])
-        if key != current and current is not None:
-            yield LockInfo(current.decode(), tuple(holders))
-            holders = []
-        current = key
-        holders.append(_holder(row))
-    if current is not None:
-        yield LockInfo(current.decode(), tuple(holders))

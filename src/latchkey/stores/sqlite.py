@@ -26,7 +26,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, choice, identifier
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import Backend, Capabilities, group_by_name
 
 SCHEMA_VERSION = 1
 #: Variables per statement for batch operations (SQLite allows 32766 since 3.32).
@@ -242,7 +242,7 @@ class SQLiteBackend(Backend):
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
         key = prefix.encode()
         rows = self._run("list", "list", (len(key), key))
-        yield from _group(rows)
+        yield from group_by_name(rows, _holder)
 
     def force_release(self, name: str) -> bool:
         return any(row[0] for row in self._run("force release", "force_release", (name.encode(),)))
@@ -364,18 +364,3 @@ def _ms(seconds: float) -> int:
 def _chunks(items: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
     for start in range(0, len(items), CHUNK):
         yield items[start : start + CHUNK]
-
-
-def _group(rows: Sequence[Sequence[Any]]) -> Iterator[LockInfo]:
-    """Rows ordered by name → one LockInfo per name."""
-    current: bytes | None = None
-    holders: list[Holder] = []
-    for row in rows:
-        key = bytes(row[0])
-        if key != current and current is not None:
-            yield LockInfo(current.decode(), tuple(holders))
-            holders = []
-        current = key
-        holders.append(_holder(row))
-    if current is not None:
-        yield LockInfo(current.decode(), tuple(holders))
