@@ -163,6 +163,17 @@ def read_pidfile(path: Path, timeout: float = 10.0) -> int:
         time.sleep(0.02)
 
 
+def run_daemon(cmd: list[str], pidfile: Path, what: str, timeout: float = 60) -> int:
+    """Run a server that daemonizes itself (``--daemonize``, ``-d``, ``--fork``) and writes
+    ``pidfile``; return its pid. A non-zero exit is ServerUnavailable with its output."""
+    pidfile.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout)
+    if proc.returncode != 0:
+        output = (proc.stderr or proc.stdout)[-500:]
+        raise ServerUnavailable(f"{what} exited {proc.returncode}: {output}")
+    return read_pidfile(pidfile)
+
+
 def load_all() -> None:
     """Import every server module so that it registers its SERVERS and ROWS."""
     for info in pkgutil.iter_modules(__path__):

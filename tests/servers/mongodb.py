@@ -10,7 +10,6 @@ the real thing or not at all.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tests.servers import (
     ServerUnavailable,
     StoreRow,
     free_port,
-    read_pidfile,
+    run_daemon,
     wait_port_open,
     with_query,
 )
@@ -61,11 +60,7 @@ def start(workdir: Path) -> RunningServer:
     ]  # fmt: skip
 
     def launch() -> int:
-        pidfile.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-        if proc.returncode != 0:
-            raise ServerUnavailable(f"mongod exited {proc.returncode}: {proc.stdout[-500:]}")
-        pid = read_pidfile(pidfile)
+        pid = run_daemon(cmd, pidfile, "mongod", timeout=120)
         wait_port_open(port)
         deadline = time.monotonic() + 30
         while not _answers(port):

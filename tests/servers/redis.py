@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tests.servers import (
     StoreRow,
     ensure_binary,
     free_port,
-    read_pidfile,
+    run_daemon,
     with_query,
 )
 
@@ -64,11 +63,7 @@ def start_redis(workdir: Path, *extra: str, password: str | None = None) -> Runn
         cmd += ["--requirepass", password]
 
     def launch() -> int:
-        pidfile.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=60)
-        if proc.returncode != 0:
-            raise ServerUnavailable(f"redis-server exited {proc.returncode}: {proc.stderr[-500:]}")
-        pid = read_pidfile(pidfile)
+        pid = run_daemon(cmd, pidfile, "redis-server", timeout=60)
         wait_ping(port, password)
         return pid
 
