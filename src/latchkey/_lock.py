@@ -191,6 +191,22 @@ class Lock:
                 raise LockLost(f"{self.kind} {self.name!r} was lost: {self._lost_reason}")
             self._granted(grant, sent, ttl_s)
 
+    def _end(self, keep: float) -> bool:
+        """Finish with the lease: release it now, or, when ``keep`` seconds of an at-least
+        period remain, leave it in the store for those seconds and let it expire there (the
+        singleton's ``at_least`` and ``latchkey run --at-least``). False if the lease had
+        already ended (expired, released or taken)."""
+        if keep <= 0.001 or self.lost or not self.store.backend.capabilities.ttl:
+            return self.release()
+        self._stop_renewer()
+        try:
+            self.extend(keep)
+            return True
+        except LockLost:
+            return False
+        finally:
+            self._forget()
+
     # -- internals ---------------------------------------------------------------------------
 
     def _granted(self, grant: Grant, sent: float, ttl: float | None = None) -> None:

@@ -232,8 +232,8 @@ class Store:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    keep = least - (time.monotonic() - started)
-                    _finish_singleton(lock, keep)
+                    if not lock._end(least - (time.monotonic() - started)):
+                        log.warning("%r expired while the job ran (at_most too short?)", name)
 
             return run  # type: ignore[return-value]
 
@@ -327,17 +327,3 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<latchkey.Store {self.url}>"
-
-
-def _finish_singleton(lock: Lock, keep: float) -> None:
-    """Release the singleton's lock, or shorten it to end ``keep`` seconds from now."""
-    if keep <= 0.001 or not lock.store.capabilities.ttl:
-        if not lock.release():
-            log.warning("%r expired while the job ran (at_most too short?)", lock.name)
-        return
-    try:
-        lock.extend(keep)
-    except LockLost:
-        log.warning("%r expired while the job ran (at_most too short?)", lock.name)
-    lock._stop_renewer()
-    lock._forget()  # keep the lease in the store until at_least has passed

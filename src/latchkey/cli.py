@@ -256,12 +256,7 @@ def _supervise(child: subprocess.Popen[bytes], lock: Lock, kill_on_lost: bool) -
 def _finish(lock: Lock, keep: float) -> None:
     """Release, or keep the lease for the rest of ``--at-least`` and then let it expire."""
     try:
-        if keep > 0.001 and not lock.lost and lock.store.capabilities.ttl:
-            lock._stop_renewer()
-            lock.extend(keep)
-            lock._forget()
-        else:
-            lock.release()
+        lock._end(keep)
     except LatchkeyError as exc:
         print(f"latchkey: could not release {lock.name!r}: {exc}", file=sys.stderr)
 
