@@ -139,12 +139,20 @@ class Lock:
             sent = time.monotonic()
             return backend.acquire(self.name, owner, owner_info, self.ttl, self.limit)
 
+        def block(timeout: float | None) -> Grant | Busy:
+            nonlocal sent
+            sent = time.monotonic()
+            return backend.acquire_blocking(
+                self.name, owner, owner_info, self.ttl, self.limit, timeout
+            )
+
         result = wait_for(
             attempt,
             lambda: backend.subscribe(self.name),
             wait=wait_s,
             limit=self.limit,
             push=backend.capabilities.push,
+            block=block if backend.capabilities.blocking and self.limit == 1 else None,
         )
         if isinstance(result, Busy):
             self.holder = result.holder

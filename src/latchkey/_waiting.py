@@ -23,6 +23,9 @@ CAP_WITH_PUSH = 1.0
 CAP_POLLING = 0.25
 #: After this many attempts that lost a race for a free slot, back off like a busy answer.
 MAX_IMMEDIATE_RETRIES = 3
+#: A store-side wait that answered busy sooner than this (and before the deadline) did not
+#: really wait: the loop then sleeps one backoff delay, so it can never spin.
+MIN_BLOCK = 0.001
 
 
 class Backoff:
@@ -55,8 +58,10 @@ def wait_for(
     wait: float | None,
     limit: int,
     push: bool,
+    block: Callable[[float | None], Grant | Busy] | None = None,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Grant | Busy:
     """Call ``attempt`` until it grants, or ``wait`` seconds pass (None: no limit).
 
@@ -65,11 +70,18 @@ def wait_for(
     wait is never missed. A Busy with fewer holders than ``limit`` lost a race for a free slot:
     retry at once, a few times. Sleeps never exceed the holder's remaining lease as the store
     reported it, nor the caller's deadline.
+
+    With ``block`` (stores whose server can hold a waiter until the release: PostgreSQL
+    advisory locks, GET_LOCK), every attempt after the first waits inside the store: ``block``
+    is called with the seconds left (None: no limit) and returns a Grant, or Busy when its wait
+    ended without one (it may wait less than it was given; the loop calls it again).
     """
     result = attempt()
     if isinstance(result, Grant) or wait == 0:
         return result
     deadline = None if wait is None else clock() + wait
+    if block is not None:
+        return _block_until(block, result, deadline, clock, Backoff(rng=rng), sleep)
     backoff = Backoff(cap=CAP_WITH_PUSH if push else CAP_POLLING, rng=rng)
     races = 0
     with subscribe() as waiter:
@@ -91,3 +103,27 @@ def wait_for(
                 delay = min(delay, remaining)
             if waiter.wait(delay):
                 backoff.reset()
+
+
+def _block_until(
+    block: Callable[[float | None], Grant | Busy],
+    result: Busy,
+    deadline: float | None,
+    clock: Callable[[], float],
+    backoff: Backoff,
+    sleep: Callable[[float], None],
+) -> Grant | Busy:
+    """The store waits for us: call ``block`` until it grants or the deadline passes."""
+    while True:
+        started = clock()
+        remaining = None if deadline is None else deadline - started
+        if remaining is not None and remaining <= 0:
+            return result
+        answer = block(remaining)
+        if isinstance(answer, Grant):
+            return answer
+        result = answer
+        now = clock()
+        if now - started < MIN_BLOCK and (deadline is None or now < deadline):
+            delay = backoff.next()
+            sleep(delay if deadline is None else min(delay, deadline - now))

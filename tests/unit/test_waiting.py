@@ -99,3 +99,60 @@ def test_a_lost_race_for_a_free_slot_retries_at_once() -> None:
 def test_first_try_wins_without_waiting() -> None:
     result = wait_for(lambda: Grant(1, None), lambda: Waiter(), wait=None, limit=1, push=False)
     assert result == Grant(1, None)
+
+
+def test_a_blocking_store_waits_in_the_server_with_what_is_left() -> None:
+    clock, asked = FakeClock(), []
+
+    def block(timeout: float | None) -> Grant | Busy:
+        asked.append(timeout)
+        clock.now += 0.4  # the server held us 0.4 s, then answered (its own cap)
+        return Grant(3, None) if len(asked) == 3 else Busy(1)
+
+    subscribed: list[int] = []
+    result = wait_for(
+        lambda: Busy(1),
+        lambda: subscribed.append(1) or Waiter(),  # type: ignore[func-returns-value]
+        wait=2.0,
+        limit=1,
+        push=True,
+        block=block,
+        clock=clock,
+    )
+    assert result == Grant(3, None)
+    assert [round(t or 0, 6) for t in asked] == [2.0, 1.6, 1.2]
+    assert subscribed == []  # the server does the waking: no subscription
+
+
+def test_a_blocking_store_gives_up_at_the_deadline() -> None:
+    clock, asked = FakeClock(), []
+
+    def block(timeout: float | None) -> Grant | Busy:
+        asked.append(timeout)
+        assert timeout is not None
+        clock.now += timeout
+        return Busy(1, None)
+
+    result = wait_for(
+        lambda: Busy(1), lambda: Waiter(), wait=1.5, limit=1, push=True, block=block, clock=clock
+    )
+    assert isinstance(result, Busy) and asked == [1.5]
+
+
+def test_a_blocking_store_that_does_not_wait_cannot_make_the_loop_spin() -> None:
+    clock, slept, calls = FakeClock(), [], []
+
+    def block(timeout: float | None) -> Grant | Busy:
+        calls.append(timeout)
+        return Busy(1)  # answers at once, without waiting
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock.now += seconds
+
+    result = wait_for(
+        lambda: Busy(1), lambda: Waiter(), wait=1.0, limit=1, push=True, block=block,
+        clock=clock, sleep=sleep, rng=random.Random(0),
+    )  # fmt: skip
+    assert isinstance(result, Busy)
+    assert len(calls) == len(slept) and 0 < len(calls) < 50 and abs(clock.now - 1.0) < 1e-9

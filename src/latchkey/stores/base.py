@@ -53,6 +53,9 @@ class Capabilities:
     """``list()`` and ``purge_expired()`` see every lease."""
     push: bool = False
     """Blocked waiters are woken by the store on release (otherwise they poll with backoff)."""
+    blocking: bool = False
+    """A blocked acquire waits inside the server (``pg_advisory_lock``, ``GET_LOCK(key, t)``)
+    and is granted there the moment the holder releases: see :meth:`Backend.acquire_blocking`."""
     multiprocess: bool = True
     """Processes (not just threads) can contend through this store."""
     semaphores: bool = True
@@ -111,6 +114,26 @@ class Backend(abc.ABC):
 
         One round trip where the store allows it. Expired leases of ``name`` count as free.
         """
+
+    def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Grant | Busy:
+        """Wait inside the store up to ``timeout`` seconds (None: no limit) for ``name`` and
+        take it: the server grants it the moment the holder releases. Only called (by the core,
+        after a first :meth:`acquire` found the name busy) when ``capabilities.blocking``.
+
+        May return Busy before ``timeout`` passes (e.g. it caps one wait below its driver's
+        read timeout): the core calls it again with what is left. Never returns Busy at once
+        while the name is held, except rarely: the core sleeps a backoff delay after an
+        answer that did not wait.
+        """
+        raise Unsupported(f"the {self.scheme} store cannot wait in the server")
 
     @abc.abstractmethod
     def release(self, name: str, owner: str) -> bool:
