@@ -347,6 +347,133 @@ register(
 )
 
 
+# -- latchkey's own SQL, sent raw ---------------------------------------------------------------
+# "The raw statements it is made of" (issue 3): latchkey's acquire and release statements for
+# its lease table, rendered by latchkey and sent straight through the same driver with the same
+# settings (prepared; the release's asynchronous commit included), without latchkey around
+# them. latchkey / this = what the library itself costs; latchkey / the minimal rows above =
+# what the lease row (owner JSON, fencing token, server-clock expiry) costs on top.
+
+
+class RawSameSQLHandle:
+    def __init__(self, subject: Any, name: str) -> None:
+        self.s, self.name, self.token = subject, name, token()
+
+    def acquire(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.s.take(self.name, self.token):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def release(self) -> None:
+        self.s.give_back(self.name, self.token)
+
+
+class RawPGSameSQL:
+    def __init__(self, url: str) -> None:
+        import psycopg
+
+        import latchkey
+        from latchkey._owner import Owner
+        from latchkey.stores import postgresql
+
+        store = latchkey.connect(url + "?table=bench_same_sql")
+        store.init()
+        backend = store.backend
+        assert isinstance(backend, postgresql.PostgreSQLBackend)
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.acquire_sql = backend._render(self.conn, postgresql.ACQUIRE_MUTEX)
+        self.release_sql = backend._render(self.conn, postgresql.RELEASE)
+        self.channel = backend.channel
+        self.info = Owner.current().to_json()
+        store.close()
+
+    def take(self, name: str, owner: str) -> bool:
+        params = {"name": name.encode(), "owner": owner, "owner_info": self.info, "ttl": 30.0}
+        return bool(self.conn.execute(self.acquire_sql, params, prepare=True).fetchall())
+
+    def give_back(self, name: str, owner: str) -> None:
+        params = {"name": name.encode(), "owner": owner, "channel": self.channel}
+        self.conn.execute(self.release_sql, params, prepare=True).fetchall()
+
+    def make(self, name: str) -> Handle:
+        return RawSameSQLHandle(self, name)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RawMySameSQL:
+    """On MariaDB latchkey PREPAREs its upsert … RETURNING and DELETE once per connection and
+    EXECUTEs them; this does the same on its own connection."""
+
+    def __init__(self, url: str) -> None:
+        from urllib.parse import urlsplit
+
+        import pymysql
+        from pymysql.constants import CLIENT
+
+        import latchkey
+        from latchkey._owner import Owner
+        from latchkey.stores import mysql
+
+        store = latchkey.connect(url + "?table=bench_same_sql")
+        store.init()
+        store.close()
+        u = urlsplit(url)
+        self.conn = pymysql.connect(
+            host=u.hostname, port=u.port or 3306, user=u.username or "root",
+            password=u.password or "", database=u.path.lstrip("/"), autocommit=True,
+            charset="utf8mb4", client_flag=CLIENT.MULTI_STATEMENTS,
+        )  # fmt: skip
+        self.cur = self.conn.cursor()
+        if "mariadb" not in str(self.conn.get_server_info()).lower():
+            raise RuntimeError("raw-same-sql mirrors latchkey's MariaDB path only")
+        sql = {k: v.replace("{t}", "bench_same_sql") for k, v in mysql._STATEMENTS.items()}
+        mysql._drain(self.cur, mysql.PREPARE, (sql["acquire_returning"], sql["release_prepared"]))
+        self.info = Owner.current().to_json()
+        self.execute_acquire = mysql.EXECUTE_ACQUIRE
+
+    def take(self, name: str, owner: str) -> bool:
+        params = {"name": name.encode(), "owner": owner, "info": self.info, "ttl_us": 30_000_000}
+        self.cur.execute(self.execute_acquire, params)
+        rows = self.cur.fetchall()
+        return bool(rows) and str(rows[0][0]).startswith("1")
+
+    def give_back(self, name: str, owner: str) -> None:
+        self.cur.execute("EXECUTE latchkey_release USING %s, %s", (name.encode(), owner))
+
+    def make(self, name: str) -> Handle:
+        return RawSameSQLHandle(self, name)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+register(
+    Spec(
+        "postgresql/raw-same-sql",
+        "postgresql",
+        "raw: latchkey's own INSERT … ON CONFLICT / DELETE, sent bare",
+        "raw",
+        lambda env: RawPGSameSQL(env["postgresql"]),
+        frozenset("A"),
+    )
+)
+register(
+    Spec(
+        "mysql/raw-same-sql",
+        "mysql",
+        "raw: latchkey's own prepared upsert … RETURNING / DELETE, sent bare",
+        "raw",
+        lambda env: RawMySameSQL(env["mysql"]),
+        frozenset("A"),
+    )
+)
+
+
 # -- MariaDB: INSERT IGNORE / DELETE, and GET_LOCK ----------------------------------------------
 
 MY_CREATE = """CREATE TABLE IF NOT EXISTS bench_raw (
