@@ -148,7 +148,7 @@ class Lock:
 
         result = wait_for(
             attempt,
-            lambda: backend.subscribe(self.name),
+            lambda: backend.wait_in_line(self.name, owner, owner_info, self.ttl, self.limit),
             wait=wait_s,
             limit=self.limit,
             push=backend.capabilities.push,
@@ -222,7 +222,8 @@ class Lock:
         self.token = grant.token if grant.token is not None else self.token
         self.expires_at = grant.expires_at
         if self.store.backend.capabilities.ttl:
-            self._deadline = sent + ttl - drift_margin(ttl)
+            left = ttl if grant.remaining is None else min(ttl, grant.remaining)
+            self._deadline = sent + left - drift_margin(ttl)
         else:
             self._deadline = None
 

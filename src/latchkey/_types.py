@@ -55,6 +55,11 @@ class Grant:
 
     token: int | None
     expires_at: datetime | None
+    remaining: float | None = None
+    """Seconds the lease had left by the store's clock when the store answered, for a lease
+    that may have started before this request (one handed to us while we waited). The core's
+    local deadline is then at most send time + ``remaining``. None: the lease started during
+    this request, so send time + TTL is safe."""
 
 
 @dataclass(frozen=True)

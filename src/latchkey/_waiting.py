@@ -83,26 +83,42 @@ def wait_for(
     if block is not None:
         return _block_until(block, result, deadline, clock, Backoff(rng=rng), sleep)
     backoff = Backoff(cap=CAP_WITH_PUSH if push else CAP_POLLING, rng=rng)
-    races = 0
     with subscribe() as waiter:
-        while True:
-            result = attempt()
-            if isinstance(result, Grant):
-                return result
-            remaining = None if deadline is None else deadline - clock()
-            if remaining is not None and remaining <= 0:
-                return result
-            if result.holders < limit and races < MAX_IMMEDIATE_RETRIES:
-                races += 1
-                continue
-            races = 0
-            delay = backoff.next()
-            if result.retry_after is not None:
-                delay = min(delay, max(result.retry_after, 0.0) + 0.001)
-            if remaining is not None:
-                delay = min(delay, remaining)
-            if waiter.wait(delay):
-                backoff.reset()
+        result = _wait_with(waiter, attempt, deadline, limit, backoff, clock)
+        waiter.finish(result)
+        return result
+
+
+def _wait_with(
+    waiter: Waiter,
+    attempt: Callable[[], Grant | Busy],
+    deadline: float | None,
+    limit: int,
+    backoff: Backoff,
+    clock: Callable[[], float],
+) -> Grant | Busy:
+    races = 0
+    while True:
+        result = attempt()
+        if isinstance(result, Grant):
+            return result
+        remaining = None if deadline is None else deadline - clock()
+        if remaining is not None and remaining <= 0:
+            return result
+        if result.holders < limit and races < MAX_IMMEDIATE_RETRIES:
+            races += 1
+            continue
+        races = 0
+        delay = backoff.next()
+        if result.retry_after is not None:
+            delay = min(delay, max(result.retry_after, 0.0) + 0.001)
+        if remaining is not None:
+            delay = min(delay, remaining)
+        if waiter.wait(delay):
+            grant = waiter.take_grant()
+            if grant is not None:  # the release handed the lease straight to us
+                return grant
+            backoff.reset()
 
 
 def _block_until(

@@ -152,7 +152,7 @@ def test_schema_option_puts_the_tables_there(
     rows = sql.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (schema,)
     ).fetchall()
-    assert {r[0] for r in rows} == {"Locks", "Locks_meta", "Locks_records"}
+    assert {r[0] for r in rows} == {"Locks", "Locks_meta", "Locks_records", "Locks_waiters"}
     sql.execute(f'DROP SCHEMA "{schema}" CASCADE')
 
 
@@ -350,6 +350,151 @@ def test_handoff_to_a_blocked_waiter_is_prompt(pg_base: str, kind: str) -> None:
         holder.release()
         t.join(30)
         assert got and got[0] - released < 0.2  # woken by NOTIFY, not by its next poll
+    finally:
+        a.close()
+        b.close()
+
+
+# -- the waiter queue: release hands the lease over ------------------------------------------------
+
+
+@pytest.fixture
+def trio(pg_base: str, table: str) -> Iterator[list[PostgreSQLBackend]]:
+    """Three backends on one table: three processes as far as the queue can tell (each has its
+    own listener connection and listener key)."""
+    backends = [open_backend(f"{pg_base}?table={table}") for _ in range(3)]
+    assert all(isinstance(b, PostgreSQLBackend) for b in backends)
+    yield backends  # type: ignore[misc]
+    for b in backends:
+        b.close()
+
+
+def _queued(sql: psycopg.Connection[tuple[object, ...]], table: str) -> int:
+    row = sql.execute(f'SELECT count(*) FROM "{table}_waiters"').fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_release_hands_the_lease_to_the_oldest_waiter_with_a_new_token(
+    trio: list[PostgreSQLBackend],
+) -> None:
+    a, b, c = trio
+    first, second, third = _owner(), _owner(), _owner()
+    granted = a.acquire("n", first, INFO, 30)
+    assert isinstance(granted, Grant) and granted.token is not None
+    wb = b.wait_in_line("n", second, '{"host":"b","pid":2}', 30, 1)
+    wc = c.wait_in_line("n", third, '{"host":"c","pid":3}', 30, 1)
+    assert a.release("n", first)
+    assert wb.wait(5)
+    handed = wb.take_grant()
+    assert handed is not None and handed.token is not None and handed.token > granted.token
+    assert not wc.wait(0.2) and wc.take_grant() is None  # still held: only b was woken
+    info = a.inspect("n")
+    assert info is not None and info.token == handed.token and info.owner.host == "b"
+    wb.close()
+    assert b.release("n", second)  # …and on to c, the next in line
+    assert wc.wait(5)
+    last = wc.take_grant()
+    assert last is not None and last.token is not None and last.token > handed.token
+    wc.close()
+    assert c.release("n", third) and a.inspect("n") is None
+
+
+def test_a_waiter_whose_process_is_gone_is_passed_over(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    a, b, c = trio
+    first, gone, alive = _owner(), _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    b.wait_in_line("n", gone, INFO, 30, 1)
+    wc = c.wait_in_line("n", alive, '{"host":"c","pid":3}', 30, 1)
+    b.close()  # its listener connection ends, and with it the listener key: "process died"
+    assert _queued(sql, table) == 2  # b's row is still there…
+    assert a.release("n", first)
+    assert wc.wait(5) and wc.take_grant() is not None  # …but the lease went to c
+    info = a.inspect("n")
+    assert info is not None and info.owner.host == "c"
+    wc.close()
+    assert c.release("n", alive)
+    assert a.purge_expired() == 0 and _queued(sql, table) == 0  # purge drops b's row
+
+
+def test_a_lease_handed_to_a_waiter_that_gave_up_goes_to_the_next(
+    trio: list[PostgreSQLBackend],
+) -> None:
+    a, b, c = trio
+    first, quitter, patient = _owner(), _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", quitter, INFO, 30, 1)
+    wc = c.wait_in_line("n", patient, '{"host":"c","pid":3}', 30, 1)
+    assert a.release("n", first)
+    assert wb.wait(5)  # handed over just as b's wait timed out: the core never takes it
+    wb.finish(Busy(1))
+    wb.close()  # b releases it, which hands it on to c
+    assert wc.wait(5) and wc.take_grant() is not None
+    info = a.inspect("n")
+    assert info is not None and info.owner.host == "c"
+    wc.close()
+
+
+def test_a_waiter_that_acquired_by_retrying_leaves_the_queue(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    a, b, _ = trio
+    first, second = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 0.2), Grant)
+    wb = b.wait_in_line("n", second, INFO, 30, 1)
+    assert _queued(sql, table) == 1
+    eventually(lambda: isinstance(b.acquire("n", second, INFO, 30), Grant), timeout=5,
+               what="the first lease expired and b took it over")  # fmt: skip
+    wb.finish(Grant(None, None))
+    wb.close()
+    assert _queued(sql, table) == 0  # a stale row would later be handed a lease nobody awaits
+    assert a.inspect("n") is not None  # and b's lease is left alone
+    assert b.release("n", second)
+
+
+def test_semaphore_waiters_are_not_queued(
+    backend: PostgreSQLBackend, sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    backend.init()
+    with backend.wait_in_line("s", _owner(), INFO, 30, 3):
+        assert _queued(sql, table) == 0
+
+
+def test_a_blocked_lock_returns_on_the_hand_over_without_retrying(
+    pg_base: str, table: str
+) -> None:
+    url = f"{pg_base}?table={table}"
+    a, b = latchkey.connect(url), latchkey.connect(url)
+    try:
+        holder = a.lock("h", ttl="60s")
+        assert holder.acquire() and holder.token is not None
+        first_token = holder.token
+        attempts: list[float] = []
+        backend = b.backend
+        original = backend.acquire
+
+        def counting(*args: object, **kwargs: object) -> object:
+            attempts.append(time.monotonic())
+            return original(*args, **kwargs)  # type: ignore[arg-type]
+
+        backend.acquire = counting  # type: ignore[method-assign]
+        result: list[latchkey.Lock] = []
+        waiter = b.lock("h", ttl="60s", wait="30s")
+        t = threading.Thread(target=lambda: result.append(waiter) if waiter.acquire() else None)
+        t.start()
+        eventually(lambda: len(attempts) >= 2 and a.backend.inspect("h") is not None,
+                   what="the waiter is queued")  # fmt: skip
+        released = time.monotonic()
+        assert holder.release()
+        t.join(30)
+        assert result and waiter.token is not None and waiter.token > first_token
+        remaining = waiter.remaining()
+        assert remaining is not None and 0 < remaining <= 60
+        # handed over: no attempt was needed after the release (a backoff retry may only
+        # coincide with it by chance; at most one)
+        assert len([t for t in attempts if t >= released]) <= 1
+        waiter.release()
     finally:
         a.close()
         b.close()

@@ -156,3 +156,45 @@ def test_a_blocking_store_that_does_not_wait_cannot_make_the_loop_spin() -> None
     )  # fmt: skip
     assert isinstance(result, Busy)
     assert len(calls) == len(slept) and 0 < len(calls) < 50 and abs(clock.now - 1.0) < 1e-9
+
+
+class HandingWaiter(FakeWaiter):
+    """Woken once by a release that hands the lease straight over (PostgreSQL's queue)."""
+
+    def __init__(self, clock: FakeClock, log: list[float]) -> None:
+        super().__init__(clock, log)
+        self.outcome: Grant | Busy | None = None
+
+    def wait(self, timeout: float) -> bool:
+        super().wait(timeout)
+        return len(self.log) == 2
+
+    def take_grant(self) -> Grant | None:
+        return Grant(9, None) if len(self.log) == 2 else None
+
+    def finish(self, result: Grant | Busy) -> None:
+        self.outcome = result
+
+
+def test_a_lease_handed_over_on_release_is_returned_without_another_attempt() -> None:
+    clock, log, attempts = FakeClock(), [], []
+    waiter = HandingWaiter(clock, log)
+
+    def attempt() -> Grant | Busy:
+        attempts.append(clock.now)
+        return Busy(1)
+
+    result = wait_for(
+        attempt, lambda: waiter, wait=10, limit=1, push=True, clock=clock, rng=random.Random(0)
+    )
+    assert result == Grant(9, None)
+    assert len(attempts) == 3  # the first, one after subscribing, one after the first wake-up
+    assert waiter.outcome == result and waiter.closed
+
+
+def test_the_waiter_is_told_a_timeout_before_it_closes() -> None:
+    clock, log = FakeClock(), []
+    waiter = HandingWaiter(clock, log)
+    waiter.take_grant = lambda: None  # type: ignore[method-assign]
+    result = wait_for(lambda: Busy(1), lambda: waiter, wait=0.5, limit=1, push=True, clock=clock)
+    assert isinstance(result, Busy) and waiter.outcome is result and waiter.closed

@@ -82,6 +82,18 @@ class Waiter:
         time.sleep(max(0.0, timeout))
         return False
 
+    def take_grant(self) -> Grant | None:
+        """The lease the store handed straight to this waiter's owner on release, if it did
+        (stores that queue waiters, see :meth:`Backend.wait_in_line`). The core asks after
+        each wake-up; a grant taken here is the caller's, and :meth:`close` leaves it alone.
+        A grant not taken by the time of :meth:`close` is released there."""
+        return None
+
+    def finish(self, result: Grant | Busy) -> None:
+        """Told the wait's outcome just before :meth:`close` (not called when the wait ends by
+        an exception): a waiter that queued its owner must not give back a lease the core
+        returns as acquired."""
+
     def close(self) -> None:
         """Stop listening; called once, also when the wait ends by an exception."""
 
@@ -197,6 +209,18 @@ class Backend(abc.ABC):
     def subscribe(self, name: str) -> Waiter:
         """A :class:`Waiter` for releases of ``name``; the default polls."""
         return Waiter()
+
+    def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Waiter:
+        """The waiter for one blocked acquire of ``owner``, made before its second attempt.
+
+        The default is :meth:`subscribe`. A store that can hand a released lease straight to
+        the next waiter (PostgreSQL) queues ``owner`` here and sets the waiter's grant
+        (:meth:`Waiter.take_grant`) when a release hands the lease over; the waiter's
+        ``close`` leaves the queue, and releases a lease handed over that nobody took.
+        """
+        return self.subscribe(name)
 
     @abc.abstractmethod
     def now(self) -> datetime:

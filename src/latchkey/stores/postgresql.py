@@ -10,17 +10,30 @@ schema), created on first use or by :meth:`PostgreSQLBackend.init`:
 - ``<table>_fence``: the sequence fencing tokens come from. It is global, so tokens strictly
   increase per name across release, expiry, purge and restart.
 - ``<table>_records``: versioned records. ``<table>_meta``: the schema version.
+- ``<table>_waiters`` (UNLOGGED: no WAL, emptied by a crash): the owners blocked in acquire
+  of a mutex, in arrival order, each with its process's listener key (below).
 
-Every primitive is one statement in autocommit mode (one round trip, one commit). Release
-sends ``pg_notify`` in the same statement; waiters ``LISTEN`` on one extra connection per
-backend (:class:`Listener`) and fall back to polling if it is lost.
+Every primitive is one statement in autocommit mode (one round trip, one commit).
+
+Waiting is a queue with hand-off. A blocked mutex acquire puts its owner in ``<table>_waiters``
+and ``LISTEN``s on one extra connection per backend (:class:`Listener`), which holds a session
+advisory lock on a random 64-bit *listener key* for as long as it lives. Release, in its one
+statement, gives the lease straight to the oldest waiter whose listener key is still held
+(its process is alive: ``pg_try_advisory_xact_lock`` fails), with a new fencing token and its
+own TTL, committed durably, and sends a notification naming that waiter's ticket; the
+waiter's acquire returns on it without another round trip. With no live waiter, release
+deletes the lease (committed asynchronously) and notifies every waiter of the name, which
+retry. Waiters also retry on their own (capped backoff), so a lost notification or listener
+only slows them down.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import secrets
 import select
 import selectors
 import threading
@@ -37,6 +50,8 @@ from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, choice, identifier
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Backend, Capabilities, EventWaiter, Waiter
+
+log = logging.getLogger("latchkey")
 
 SCHEMA_VERSION = 1
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, OSError)
@@ -68,6 +83,16 @@ CREATE_STATEMENTS = (
         value text NOT NULL,
         version bigint NOT NULL)""",
     "CREATE TABLE IF NOT EXISTS {meta} (key text PRIMARY KEY, value text NOT NULL)",
+    """CREATE UNLOGGED TABLE IF NOT EXISTS {waiters} (
+        name bytea NOT NULL,
+        owner text NOT NULL,
+        owner_info text NOT NULL,
+        ttl float8 NOT NULL,
+        ticket bigint NOT NULL,
+        listener_key bigint NOT NULL,
+        queued_at timestamptz NOT NULL,
+        expires_at timestamptz NOT NULL,
+        PRIMARY KEY (name, owner))""",
     """INSERT INTO {meta} (key, value) VALUES ('schema_version', %(version)s)
         ON CONFLICT (key) DO NOTHING""",
 )
@@ -91,10 +116,12 @@ WHERE l.expires_at <= now()
 RETURNING l.token, l.expires_at
 """
 
-# Input: name. The live holder of a mutex, for a Busy answer: (token, owner_info,
-# acquired_at, expires_at, seconds left); no row if it was released in between.
+# Inputs: name, owner. The live holder of a mutex, for a Busy answer: (token, owner_info,
+# acquired_at, expires_at, seconds left, whether it is ``owner``: a release handed it to us
+# while we were not looking); no row if it was released in between.
 HOLDER = """
-SELECT token, owner_info, acquired_at, expires_at, extract(epoch FROM expires_at - now())::float8
+SELECT token, owner_info, acquired_at, expires_at, extract(epoch FROM expires_at - now())::float8,
+       owner = %(owner)s
 FROM {locks} WHERE name = %(name)s AND slot = 0 AND expires_at > now()
 """
 
@@ -131,19 +158,72 @@ LEFT JOIN taken ON true
 LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON true
 """
 
-# Inputs: name, owner, channel. Deletes owner's row of ``name`` (live or expired; an owner
-# token holds at most one slot) and notifies waiters when the transaction commits.
-# Result: whether the deleted lease was still live; no row if there was none.
-# The release commits asynchronously (synchronous_commit off for this transaction only): a
-# release lost in a crash leaves the lease to expire by its TTL — a delay, never a second
-# holder — and the next durable commit (the waiter's acquire) flushes it anyway. It saves a
-# WAL flush on the hand-off path. Acquire and extend stay durable: losing one of those could
-# let two holders overlap.
+# Inputs: name, owner, channel. Ends owner's lease on ``name`` (live or expired; an owner
+# token holds at most one slot). If it is a mutex (slot 0) and a waiter is queued whose process
+# is alive (its listener still holds its listener key, so our try-lock on the key fails), the
+# lease row goes to the oldest such waiter — new owner, fencing token, times — and that waiter
+# leaves the queue; the notification carries its ticket, token and expiry (µs since the
+# epoch): ``<name hex>:<ticket>:<token>:<expires>``. Otherwise the row is deleted and the
+# notification is the name's hex: every waiter retries. Queue rows being removed by their
+# waiter right now are skipped (SKIP LOCKED): that waiter is leaving.
+# Result: (whether our lease was still live, whether it was handed over); no row if we had none.
+# A plain release commits asynchronously (synchronous_commit off for this transaction only):
+# one lost in a crash leaves the lease to expire by its TTL — a delay, never a second holder —
+# and the next durable commit flushes it anyway. A hand-over is a grant, so it commits durably
+# like acquire: losing it could let two holders overlap.
 RELEASE = """
-DELETE FROM {locks} WHERE name = %(name)s AND owner = %(owner)s
-  AND set_config('synchronous_commit', 'off', true) IS NOT NULL
-RETURNING expires_at > now(), pg_notify(%(channel)s, encode(name, 'hex'))
+WITH gone AS (
+    SELECT name, slot, expires_at > now() AS live FROM {locks}
+    WHERE name = %(name)s AND owner = %(owner)s
+    FOR UPDATE
+), heir AS (
+    SELECT w.owner, w.owner_info, w.ttl, w.ticket FROM {waiters} AS w JOIN gone USING (name)
+    WHERE gone.slot = 0 AND w.owner <> %(owner)s AND w.expires_at > now()
+      AND NOT pg_try_advisory_xact_lock(w.listener_key)
+    ORDER BY w.queued_at, w.ticket
+    LIMIT 1
+    FOR UPDATE OF w SKIP LOCKED
+), dequeued AS (
+    DELETE FROM {waiters} AS w USING heir WHERE w.name = %(name)s AND w.owner = heir.owner
+), handed AS (
+    UPDATE {locks} AS l SET
+        owner = heir.owner, owner_info = heir.owner_info, token = nextval({fence_regclass}),
+        acquired_at = now(), expires_at = now() + heir.ttl * interval '1 second'
+    FROM heir WHERE l.name = %(name)s AND l.slot = 0 AND l.owner = %(owner)s
+    RETURNING heir.ticket, l.token, l.expires_at
+), deleted AS (
+    DELETE FROM {locks} AS l
+    WHERE l.name = %(name)s AND l.owner = %(owner)s AND NOT EXISTS (SELECT 1 FROM heir)
+)
+SELECT gone.live, handed.token IS NOT NULL,
+       set_config('synchronous_commit',
+                  CASE WHEN handed.token IS NULL THEN 'off'
+                       ELSE current_setting('synchronous_commit') END, true),
+       pg_notify(%(channel)s, encode(gone.name, 'hex') || coalesce(
+           ':' || handed.ticket || ':' || handed.token || ':'
+               || (extract(epoch FROM handed.expires_at) * 1000000)::bigint, ''))
+FROM gone LEFT JOIN handed ON true
 """
+
+# Inputs: name, owner, owner_info, ttl, ticket, listener_key. Puts a blocked mutex acquire in
+# the queue (again: the same owner keeps its place but gets the new key). The backstop expiry
+# only bounds a row nobody removed; a dead process's rows are skipped by their listener key.
+ENQUEUE = """
+INSERT INTO {waiters} AS w
+    (name, owner, owner_info, ttl, ticket, listener_key, queued_at, expires_at)
+VALUES (%(name)s, %(owner)s, %(owner_info)s, %(ttl)s, %(ticket)s, %(listener_key)s,
+        clock_timestamp(), now() + interval '1 hour')
+ON CONFLICT (name, owner) DO UPDATE SET
+    ticket = excluded.ticket, listener_key = excluded.listener_key,
+    expires_at = excluded.expires_at
+"""
+
+# Inputs: name, owner. Leaves the queue. Result: a row if we were still in it (no row: a
+# release handed us the lease, or the row is gone with a crash or a purge).
+DEQUEUE = """
+DELETE FROM {waiters} WHERE name = %(name)s AND owner = %(owner)s RETURNING 1
+"""
+
 
 # Inputs: name, owner, ttl. Moves the expiry of owner's *live* lease; the token stays.
 # Result: (token, expires_at), or no row if the lease is not live.
@@ -177,12 +257,19 @@ RETURNING expires_at > now(), pg_notify(%(channel)s, encode(name, 'hex'))
 
 # Deletes expired rows (rows being taken over right now are skipped, not waited for; rows
 # are locked in key order like CLAIM so the two never deadlock). Result: the count.
+# The same statement drops queue rows of processes that are gone (their listener key is
+# free) or past their backstop.
 PURGE = """
 WITH expired AS (
     SELECT ctid FROM {locks} WHERE expires_at <= now()
     ORDER BY name, slot FOR UPDATE SKIP LOCKED
+), purged AS (
+    DELETE FROM {locks} AS l USING expired WHERE l.ctid = expired.ctid AND l.expires_at <= now()
+    RETURNING 1
+), stale_waiters AS (
+    DELETE FROM {waiters} WHERE expires_at <= now() OR pg_try_advisory_xact_lock(listener_key)
 )
-DELETE FROM {locks} AS l USING expired WHERE l.ctid = expired.ctid AND l.expires_at <= now()
+SELECT count(*) FROM purged
 """
 
 # Inputs: names (distinct, bytea[]), owner, owner_info, ttl. Takes slot 0 of every name that
@@ -248,6 +335,7 @@ STATEMENTS: Mapping[str, str] = {
     "release": RELEASE, "extend": EXTEND, "inspect": INSPECT,
     "list": LIST, "force_release": FORCE_RELEASE, "purge": PURGE, "claim": CLAIM,
     "release_many": RELEASE_MANY, "record_get": RECORD_GET, "record_insert": RECORD_INSERT,
+    "enqueue": ENQUEUE, "dequeue": DEQUEUE,
     "record_update": RECORD_UPDATE, "record_delete": RECORD_DELETE, "now": NOW,
 }
 
@@ -332,48 +420,103 @@ def forget_in_forked_child(backend: Any) -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class HandoffWaiter(EventWaiter):
+    """A queued mutex waiter: woken by its name's notifications, and handed the lease by a
+    release that names its ticket (see :class:`Listener`)."""
+
+    def __init__(
+        self, listener: Listener, key: str, ticket: int | None,
+        on_close: Callable[[HandoffWaiter], None] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(threading.Event())
+        self.listener, self.key, self.ticket = listener, key, ticket
+        self.grant: Grant | None = None
+        self.handed_over = False  # the core took the grant a release handed us
+        self.acquired = False  # the wait ended with the lease ours (however it came)
+        self._on_leave = on_close
+
+    def deliver(self, grant: Grant) -> None:
+        self.grant = grant
+        self.event.set()
+
+    def take_grant(self) -> Grant | None:
+        if self.grant is not None:
+            self.handed_over = self.acquired = True
+        return self.grant
+
+    def finish(self, result: Grant | Busy) -> None:
+        self.acquired = isinstance(result, Grant)
+
+    def unsubscribe(self) -> None:
+        self.listener.unsubscribe(self)
+
+    def close(self) -> None:
+        self.unsubscribe()
+        if self._on_leave is not None:
+            self._on_leave(self)
+
+
 class Listener:
     """One ``LISTEN`` connection per backend, shared by the waiters of every name.
 
-    A daemon thread reads notifications (payload: a key such as the name's hex) and sets the
-    events of that key's waiters. If the connection is lost, every waiter is woken once (so it
-    retries and sees the store's state) and later waits poll; the next subscribe reconnects.
+    A daemon thread reads notifications and wakes the waiters of their key (the payload up to
+    the first ``:``). A payload ``key:ticket:token:expires_us`` hands a lease to the waiter
+    holding that ticket, and wakes only it. The connection also holds a session advisory lock
+    on a random 64-bit *listener key* for its whole life: releases hand leases only to queued
+    owners whose key is held, so a dead process (its connection closed) is never handed one.
+    If the connection is lost, every waiter is woken once (so it retries and sees the store's
+    state) and later waits poll; the next subscribe reconnects with a new key.
     """
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], channel: str) -> None:
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection[Any]], channel: str,
+        unclaimed: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
         self._connect = connect
         self._channel = channel
+        self._unclaimed = unclaimed
         self._lock = threading.Lock()
-        self._waiters: dict[str, set[threading.Event]] = {}
+        self._waiters: dict[str, set[HandoffWaiter]] = {}
         self._conn: psycopg.Connection[Any] | None = None
         self._stop_fd = -1
+        self.listener_key = 0
 
     def subscribe(self, key: str) -> Waiter:
         """A waiter for ``key``; the connection is listening before this returns."""
-        event = threading.Event()
+        return self.queue(key, None)[0]
+
+    def queue(
+        self, key: str, ticket: int | None,
+        on_close: Callable[[HandoffWaiter], None] | None = None,
+    ) -> tuple[HandoffWaiter, int]:  # fmt: skip
+        """A waiter for ``key`` that a release naming ``ticket`` hands its lease to, and the
+        listener key to queue it with; listening before this returns."""
+        waiter = HandoffWaiter(self, key, ticket, on_close)
         with self._lock:
             if self._conn is None:
                 self._start()
-            self._waiters.setdefault(key, set()).add(event)
-        return EventWaiter(event, on_close=lambda: self._unsubscribe(key, event))
+            self._waiters.setdefault(key, set()).add(waiter)
+            return waiter, self.listener_key
 
-    def _unsubscribe(self, key: str, event: threading.Event) -> None:
+    def unsubscribe(self, waiter: HandoffWaiter) -> None:
         with self._lock:
-            events = self._waiters.get(key)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._waiters[key]
+            waiters = self._waiters.get(waiter.key)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[waiter.key]
 
     def _start(self) -> None:
         conn = self._connect()
+        listener_key = secrets.randbits(64) - (1 << 63)
         try:
+            conn.execute("SELECT pg_advisory_lock(%s)", (listener_key,))
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
         except BaseException:
             conn.close()
             raise
         stop_r, stop_w = os.pipe()
-        self._conn, self._stop_fd = conn, stop_w
+        self._conn, self._stop_fd, self.listener_key = conn, stop_w, listener_key
         thread = threading.Thread(
             target=self._run, args=(conn, stop_r, stop_w), name="latchkey-pg-listen", daemon=True
         )
@@ -399,18 +542,30 @@ class Listener:
                 with self._lock:
                     if self._conn is conn:
                         self._conn = None
-                    everyone = [e for events in self._waiters.values() for e in events]
-                for event in everyone:
-                    event.set()
+                    everyone = [w for waiters in self._waiters.values() for w in waiters]
+                for waiter in everyone:
+                    waiter.event.set()
                 conn.close()
                 os.close(stop_r)
                 os.close(stop_w)
 
-    def _wake(self, key: str) -> None:
+    def _wake(self, payload: str) -> None:
+        key, _, handoff = payload.partition(":")
         with self._lock:
-            events = list(self._waiters.get(key, ()))
-        for event in events:
-            event.set()
+            waiters = list(self._waiters.get(key, ()))
+        if handoff:
+            grant = _handoff_grant(handoff)
+            if grant is None:
+                return
+            for waiter in waiters:
+                if waiter.ticket == grant[0]:
+                    waiter.deliver(grant[1])
+                    return  # the name is held again: nobody else needs to wake
+            if self._unclaimed is not None:
+                self._unclaimed(grant[0])
+            return
+        for waiter in waiters:
+            waiter.event.set()
 
     def close(self) -> None:
         """Stop the thread (it closes its connection)."""
@@ -427,6 +582,16 @@ class Listener:
             _FORKED_AWAY.append(self._conn)
         self._conn = None
         self._waiters = {}
+
+
+def _handoff_grant(text: str) -> tuple[int, Grant] | None:
+    """``ticket:token:expires_us`` → (ticket, the grant); None if malformed."""
+    try:
+        ticket, token, expires_us = (int(part) for part in text.split(":"))
+    except ValueError:
+        return None
+    expires = datetime.fromtimestamp(expires_us / 1e6, timezone.utc)
+    return ticket, Grant(token=token, expires_at=expires)
 
 
 def _input_waiting(fd: int) -> bool:
@@ -537,7 +702,8 @@ class PostgreSQLBackend(Backend):
         self.schema: str | None = self.config["schema"]
         self.channel = self.table  # NOTIFY channel: payload is the name's UTF-8 bytes in hex
         self._session = Session(connection_params(url, self.config, "latchkey"))
-        self._listener = Listener(self._session.open, self.channel)
+        self._listener = Listener(self._session.open, self.channel, self._unclaimed)
+        self._orphans: dict[int, tuple[str, str]] = {}  # ticket -> (name, owner)
         self._sql: dict[str, bytes] = {}
         forget_in_forked_child(self)
 
@@ -553,6 +719,7 @@ class PostgreSQLBackend(Backend):
             fence=fence,
             fence_regclass=sql.Literal(fence.as_string(conn)),
             records=self._ident(f"{self.table}_records"),
+            waiters=self._ident(f"{self.table}_waiters"),
             meta=self._ident(f"{self.table}_meta"),
             expires_idx=sql.Identifier(f"{self.table}_expires"),
         ).as_bytes(conn)
@@ -614,10 +781,13 @@ class PostgreSQLBackend(Backend):
             rows, _ = self._run(f"acquire {name!r}", "acquire_mutex", params)
             if rows:
                 return Grant(token=rows[0][0], expires_at=utc(rows[0][1]))
-            rows, _ = self._run(f"acquire {name!r}", "holder", {"name": params["name"]})
+            rows, _ = self._run(f"acquire {name!r}", "holder",
+                                {"name": params["name"], "owner": owner})
             if not rows:
                 return Busy(holders=0)  # released in between: the core retries at once
-            token, info, acquired, expires, left = rows[0]
+            token, info, acquired, expires, left, mine = rows[0]
+            if mine:  # a release handed it to us (we are queued): since when, we can't tell
+                return Grant(token=token, expires_at=utc(expires), remaining=max(0.0, left))
             return Busy(holders=1, holder=holder(token, info, acquired, expires),
                         retry_after=max(0.0, left))
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
@@ -632,6 +802,52 @@ class PostgreSQLBackend(Backend):
         params = {"name": name.encode(), "owner": owner, "channel": self.channel}
         rows, _ = self._run(f"release {name!r}", "release", params)
         return bool(rows and rows[0][0])
+
+    def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Waiter:
+        """Listen for releases of ``name`` and, for a mutex, queue ``owner`` so that a release
+        hands the lease straight over (see the module docstring)."""
+        if limit != 1:
+            return self.subscribe(name)
+        ticket = secrets.randbits(63)
+        with self.translate(f"listen for releases of {name!r}", DRIVER_ERRORS):
+            waiter, listener_key = self._listener.queue(
+                name.encode().hex(), ticket, lambda w: self._leave_queue(name, owner, w)
+            )
+        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
+                  "ttl": float(ttl), "ticket": ticket, "listener_key": listener_key}
+        try:
+            self._run(f"queue for {name!r}", "enqueue", params)
+        except BaseException:
+            waiter.unsubscribe()
+            raise
+        return waiter
+
+    def _leave_queue(self, name: str, owner: str, waiter: HandoffWaiter) -> None:
+        """The end of a wait: leave the queue. If the wait ended without the lease (it timed
+        out, or raised) but a release handed it over meanwhile, release it: that hands it to
+        the next waiter. A lease the core returned is never touched."""
+        if waiter.handed_over:
+            return  # the release that handed it over also took us out of the queue
+        try:
+            rows, _ = self._run(f"leave the queue for {name!r}", "dequeue",
+                                {"name": name.encode(), "owner": owner})
+            if not rows and not waiter.acquired:  # handed over as we gave up: pass it on
+                self.release(name, owner)
+        except StoreUnavailable as exc:
+            # The wait's outcome stands. Should a release still hand our queue row the lease,
+            # the listener hears of a ticket nobody waits for, and _unclaimed releases it.
+            if not waiter.acquired and waiter.ticket is not None:
+                self._orphans[waiter.ticket] = (name, owner)
+            log.warning("%s", exc)
+
+    def _unclaimed(self, ticket: int) -> None:
+        """A release handed a lease to a queue row whose waiter has left (see _leave_queue)."""
+        orphan = self._orphans.pop(ticket, None)
+        if orphan is not None:
+            with contextlib.suppress(StoreUnavailable):
+                self.release(*orphan)
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         params = {"name": name.encode(), "owner": owner, "ttl": float(ttl)}
@@ -668,8 +884,8 @@ class PostgreSQLBackend(Backend):
         return any(live for live, _ in rows)
 
     def purge_expired(self) -> int:
-        _, count = self._run("purge expired leases", "purge", {})
-        return max(0, count)
+        rows, _ = self._run("purge expired leases", "purge", {})
+        return int(rows[0][0])
 
     # -- batch claims --------------------------------------------------------------------------
 
