@@ -6,12 +6,15 @@ a server start their own disposable one, so the shared server stays up for the o
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pymysql
 import pytest
@@ -20,10 +23,16 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.mysql import MySQLBackend
-from latchkey.stores.mysql_getlock import GetLockBackend, lock_key
+from latchkey.stores.mysql import MySQLBackend, server_hung_up
+from latchkey.stores.mysql_getlock import (
+    MAX_WAIT,
+    WAIT_LOCK,
+    GetLockBackend,
+    lock_key,
+    wait_seconds,
+)
 from tests.conftest import ServerPool
-from tests.helpers import HOSTILE_NAMES
+from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, mariadb, replace_scheme, with_query
 
 _selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
@@ -538,3 +547,424 @@ def test_getlock_claim_takes_the_free_and_releases_in_one_round_trip(
     assert other.release_many(names, second) == 40
     assert getlock.release_many(names, first) == 10
     other.close()
+
+
+# -- GET_LOCK: waiting in the server -----------------------------------------------------------
+
+
+class _Interrupted(BaseException):
+    """Stands for Ctrl-C in a test (a real KeyboardInterrupt would stop pytest if it escaped)."""
+
+
+def _getlock_url(base: str) -> str:
+    return with_query(replace_scheme(base, "mysql+getlock"), prefix="t:")
+
+
+def _waiting_ids(conn: pymysql.connections.Connection, key: str) -> list[int]:
+    """The connections waiting in the server for ``key`` (state "User lock", in GET_LOCK)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT ID FROM information_schema.PROCESSLIST "
+            "WHERE STATE = 'User lock' AND LOCATE(%s, INFO) > 0",
+            (f"GET_LOCK('{key}',",),
+        )
+        return [int(row[0]) for row in cur.fetchall()]
+
+
+def _holder_id(conn: pymysql.connections.Connection, key: str) -> int | None:
+    with conn.cursor() as cur:
+        cur.execute("SELECT IS_USED_LOCK(%s)", (key,))
+        found = cur.fetchone()[0]
+    return None if found is None else int(found)
+
+
+def _in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``call`` in a thread; its result (or the exception it raised) lands in the list."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # reported by the test
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _wait_in_another_process(url: str, name: str, conn: Any) -> None:
+    """Spawned: block on ``name``, counting the try-acquires; report how the lock was got."""
+    store = latchkey.connect(url)
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    tries: list[str] = []
+    try_acquire = backend.acquire
+
+    def counted(*args: Any) -> Any:
+        tries.append(args[0])
+        return try_acquire(*args)
+
+    backend.acquire = counted  # type: ignore[method-assign,assignment]
+    lock = store.lock(name, ttl="60s", wait="30s")
+    ok = lock.acquire()
+    session = backend._held[backend.key(name)][2]
+    assert backend._main is not None
+    conn.send((ok, len(tries), session.id, backend._main.id))
+    conn.recv()
+    conn.send(lock.release())
+    store.close()
+
+
+def test_getlock_wait_seconds_never_pass_the_deadline() -> None:
+    assert wait_seconds(0.7, fractions=True) == 0.7  # MariaDB: as asked
+    assert wait_seconds(None, fractions=True) == MAX_WAIT
+    assert wait_seconds(MAX_WAIT * 3, fractions=True) == MAX_WAIT
+    assert wait_seconds(2.7, fractions=False) == 2.0  # MySQL rounds: whole seconds, down
+    assert wait_seconds(0.7, fractions=False) == 0.0  # under a second left: a try only
+    assert wait_seconds(-1.0, fractions=True) == 0.0
+
+
+def test_getlock_a_waiter_in_another_process_is_granted_by_the_server(base: str) -> None:
+    """The waiter blocks inside GET_LOCK (the server shows it in "User lock"); the release
+    hands the lock to that very session: one try on the main session, never a retry."""
+    url, name = _getlock_url(base), f"handoff-{uuid.uuid4().hex[:8]}"
+    key = lock_key(name, "t:")
+    store = latchkey.connect(url)
+    holder = store.lock(name, ttl="60s")
+    assert holder.acquire()
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_wait_in_another_process, args=(url, name, theirs), daemon=True)
+    proc.start()
+    root = _root(base)
+    try:
+        waiting = eventually(lambda: _waiting_ids(root, key), timeout=60, what="a wait")
+        assert holder.release() is True
+        assert ours.poll(30), "the waiter never acquired"
+        ok, tries, holding_id, main_id = ours.recv()
+        assert ok is True and tries == 1
+        assert waiting == [holding_id] and holding_id != main_id
+        assert _holder_id(root, key) == holding_id  # held where it was granted
+        ours.send("release")
+        assert ours.poll(30) and ours.recv() is True
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        root.close()
+        store.close()
+
+
+def test_getlock_two_locks_of_one_store_on_one_name(base: str) -> None:
+    """A second Lock on a name this process holds waits in the server (no re-entry through
+    the shared session) and is granted when the first releases."""
+    store, name = latchkey.connect(_getlock_url(base)), "two-threads"
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    key = backend.key(name)
+    first, second = store.lock(name, ttl="60s"), store.lock(name, ttl="60s", wait="30s")
+    assert first.acquire()
+    root = _root(base)
+    try:
+        thread, outcome = _in_thread(second.acquire)
+        waiting = eventually(lambda: _waiting_ids(root, key), what="the second lock waiting")
+        assert outcome == [] and _holder_id(root, key) == backend._main.id  # type: ignore[union-attr]
+        assert first.release() is True
+        thread.join(30)
+        assert outcome == [True]
+        assert _holder_id(root, key) == waiting[0]
+        info = store.inspect(name)
+        assert info is not None and info.holders[0].owner.pid == os.getpid()  # named as ours
+        with pytest.raises(LockLost):
+            first.extend()  # released: the second owner's lock is not the first's
+        assert second.release() is True
+        assert _holder_id(root, key) is None
+        assert [s.id for s in backend._idle] == waiting  # lockless again: kept for reuse
+    finally:
+        root.close()
+        store.close()
+
+
+def test_getlock_wait_times_out_naming_the_holder(base: str) -> None:
+    url, name = _getlock_url(base), "timed-out"
+    other = open_backend(url)
+    assert isinstance(other, GetLockBackend)
+    assert isinstance(other.acquire(name, _owner(), INFO, 1), Grant)
+    store = latchkey.connect(url)
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    lock = store.lock(name, ttl="60s", wait="400ms")
+    started = time.monotonic()
+    assert lock.acquire() is False
+    elapsed = time.monotonic() - started
+    assert 0.4 <= elapsed < 0.9  # MariaDB waits fractions of a second
+    assert other._main is not None and lock.holder is not None
+    assert lock.holder.owner.metadata == {"connection_id": other._main.id}
+    assert len(backend._idle) == 1 and not backend._waiting  # the session is kept
+    mine = store.lock(name + "-mine", ttl="60s")
+    assert mine.acquire()
+    again = store.lock(name + "-mine", ttl="60s", wait="200ms")
+    assert again.acquire() is False  # held by another owner here: named as that owner
+    assert again.holder is not None and again.holder.owner.pid == os.getpid()
+    mine.release()
+    other.close()
+    store.close()
+
+
+def test_getlock_whole_second_waits_on_mysql_never_pass_the_deadline(
+    base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MySQL rounds GET_LOCK's wait to the nearest second: there the waits are whole seconds
+    rounded down, and the last fraction is tried, not waited past the deadline."""
+    url, name = _getlock_url(base), "whole-seconds"
+    other = open_backend(url)
+    assert isinstance(other.acquire(name, _owner(), INFO, 1), Grant)
+    backend = open_backend(url)
+    assert isinstance(backend, GetLockBackend)
+    assert isinstance(backend.acquire_blocking(name, _owner(), INFO, 1, 1, 0.01), Busy)
+    (session,) = backend._idle
+    session.fractions = False  # as on MySQL
+    sent: list[float] = []
+    execute = session.cur.execute
+
+    def spy(sql: str, params: Any = None) -> Any:
+        if sql == WAIT_LOCK:
+            sent.append(params[1])
+        return execute(sql, params)
+
+    monkeypatch.setattr(session.cur, "execute", spy)
+    store = latchkey.Store(backend)
+    started = time.monotonic()
+    assert store.lock(name, ttl="60s", wait="1.5s").acquire() is False
+    elapsed = time.monotonic() - started
+    assert 1.5 <= elapsed < 2.0
+    assert sent[0] == 1.0 and set(sent[1:]) == {0.0}
+    other.close()
+    backend.close()
+
+
+def test_getlock_killed_waiting_session_is_not_reused(base: str) -> None:
+    url, name = _getlock_url(base), "killed-waiter"
+    other = open_backend(url)
+    owner = _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    store = latchkey.connect(url)
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    key = backend.key(name)
+    root = _root(base)
+    try:
+        thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
+        (killed,) = eventually(lambda: _waiting_ids(root, key), what="a wait")
+        with root.cursor() as cur:
+            cur.execute("KILL CONNECTION %s", (killed,))
+        thread.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable)
+        assert not backend._idle and not backend._waiting
+        # Killed while idle in the pool: found ended, closed, replaced.
+        assert isinstance(backend.acquire_blocking(name, _owner(), INFO, 1, 1, 0.01), Busy)
+        (idle,) = backend._idle
+        with root.cursor() as cur:
+            cur.execute("KILL CONNECTION %s", (idle.id,))
+        eventually(lambda: server_hung_up(idle.conn), what="the kill seen")
+        thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
+        (waiting,) = eventually(lambda: _waiting_ids(root, key), what="a new wait")
+        assert waiting not in (killed, idle.id)
+        assert other.release(name, owner) is True
+        thread.join(30)
+        assert outcome == [True] and _holder_id(root, key) == waiting
+    finally:
+        root.close()
+        other.close()
+        store.close()
+
+
+def test_getlock_one_session_dying_loses_only_its_own_locks(base: str) -> None:
+    url = _getlock_url(base)
+    other = open_backend(url)
+    store = latchkey.connect(url)
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    root = _root(base)
+
+    def waited_for(name: str) -> tuple[latchkey.Lock, int]:
+        """A lock this store got by waiting: held on an extra session."""
+        owner = _owner()
+        assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+        lock = store.lock(name, ttl="60s", wait="30s")
+        thread, outcome = _in_thread(lock.acquire)
+        (session_id,) = eventually(lambda: _waiting_ids(root, backend.key(name)), what="wait")
+        assert other.release(name, owner) is True
+        thread.join(30)
+        assert outcome == [True]
+        return lock, session_id
+
+    def kill(session_id: int) -> None:
+        with root.cursor() as cur:
+            cur.execute("KILL CONNECTION %s", (session_id,))
+
+    try:
+        on_main = store.lock("on-main", ttl="60s")
+        assert on_main.acquire()
+        on_extra, extra_id = waited_for("on-extra")
+        kill(extra_id)
+        eventually(lambda: _holder_id(root, backend.key("on-extra")) is None, what="the kill")
+        with pytest.raises(LockLost):
+            on_extra.extend()
+        assert on_extra.release() is False
+        on_main.extend()  # the main session's lock is untouched
+        assert on_main.release() is True
+
+        on_main = store.lock("on-main", ttl="60s")
+        assert on_main.acquire()
+        on_extra, extra_id = waited_for("on-extra")
+        assert backend._main is not None
+        kill(backend._main.id)
+        eventually(lambda: _holder_id(root, backend.key("on-main")) is None, what="the kill")
+        with pytest.raises(LockLost):
+            on_main.extend()
+        on_extra.extend()  # the extra session's lock is untouched
+        assert _holder_id(root, backend.key("on-extra")) == extra_id
+        assert on_extra.release() is True
+    finally:
+        root.close()
+        other.close()
+        store.close()
+
+
+def test_getlock_interrupted_wait_closes_its_session(base: str) -> None:
+    """Ctrl-C (any BaseException) in a wait closes that session, so nothing it might have
+    been granted stays held; it never goes back to the pool."""
+    url, name = _getlock_url(base), "interrupted"
+    other = open_backend(url)
+    owner = _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    store = latchkey.connect(url)
+    backend = store.backend
+    assert isinstance(backend, GetLockBackend)
+    key = backend.key(name)
+    root = _root(base)
+    main_thread = threading.get_ident()
+
+    def interrupt() -> None:
+        eventually(lambda: _waiting_ids(root, key), what="a wait")
+        signal.pthread_kill(main_thread, signal.SIGUSR1)
+
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
+    try:
+        thread = threading.Thread(target=interrupt, daemon=True)
+        thread.start()
+        with pytest.raises(_Interrupted):
+            store.lock(name, ttl="60s", wait="30s").acquire()
+        thread.join(30)
+        assert not backend._idle and not backend._waiting
+        eventually(lambda: not _waiting_ids(root, key), what="the session closed")
+        assert other.release(name, owner) is True
+        assert _holder_id(root, key) is None  # the closed wait took nothing
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        root.close()
+        other.close()
+        store.close()
+
+
+def test_getlock_wait_longer_than_the_read_timeout(base: str) -> None:
+    """A wait in the server is not a hung server: it may outlast the store's timeout."""
+    url, name = with_query(_getlock_url(base), timeout="1s"), "long-wait"
+    other = open_backend(url)
+    owner = _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    store = latchkey.connect(url)
+    root = _root(base)
+    key = lock_key(name, "t:")
+    try:
+        thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
+
+        def waited_two_seconds() -> bool:
+            with root.cursor() as cur:
+                cur.execute(
+                    "SELECT TIME FROM information_schema.PROCESSLIST WHERE ID IN %s",
+                    (_waiting_ids(root, key) or [0],),
+                )
+                return any(row[0] >= 2 for row in cur.fetchall())
+
+        eventually(waited_two_seconds, what="two seconds of waiting")
+        assert other.release(name, owner) is True
+        thread.join(30)
+        assert outcome == [True]
+    finally:
+        root.close()
+        other.close()
+        store.close()
+
+
+def test_getlock_close_ends_a_wait_in_progress(base: str) -> None:
+    url, name = _getlock_url(base), "closed-while-waiting"
+    other = open_backend(url)
+    owner = _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    store = latchkey.connect(url)
+    root = _root(base)
+    try:
+        thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
+        eventually(lambda: _waiting_ids(root, lock_key(name, "t:")), what="a wait")
+        store.close()
+        thread.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable)
+        eventually(lambda: not _waiting_ids(root, lock_key(name, "t:")), what="the wait gone")
+        assert other.release(name, owner) is True
+    finally:
+        root.close()
+        other.close()
+        store.close()
+
+
+def test_getlock_a_forked_child_uses_none_of_the_parents_sessions(base: str) -> None:
+    url = _getlock_url(base)
+    other = open_backend(url)
+    backend = open_backend(url)
+    assert isinstance(backend, GetLockBackend)
+    first, second, third = _owner(), _owner(), _owner()
+    assert isinstance(backend.acquire("fork-main", first, INFO, 1), Grant)
+    assert isinstance(other.acquire("fork-extra", third, INFO, 1), Grant)
+    root = _root(base)
+    try:
+        thread, outcome = _in_thread(
+            lambda: backend.acquire_blocking("fork-extra", second, INFO, 1, 1, 30)
+        )
+        eventually(lambda: _waiting_ids(root, backend.key("fork-extra")), what="a wait")
+        assert other.release("fork-extra", third) is True
+        thread.join(30)
+        assert outcome == [Grant(None, None)]
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's locks are not its own; its sessions are new
+            code = 1
+            try:
+                taken = backend.acquire_blocking("fork-child", third, INFO, 1, 1, 5)
+                if (
+                    backend.release("fork-main", first) is False
+                    and backend.release("fork-extra", second) is False
+                    and taken == Grant(None, None)
+                    and backend.release("fork-child", third) is True
+                ):
+                    code = 0
+                backend.close()
+            except BaseException:
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert backend.extend("fork-main", first, 1) == Grant(None, None)
+        assert backend.extend("fork-extra", second, 1) == Grant(None, None)
+        assert backend.release("fork-main", first) is True
+        assert backend.release("fork-extra", second) is True
+    finally:
+        root.close()
+        other.close()
+        backend.close()

@@ -1,10 +1,19 @@
 """``mysql+getlock://user:pass@host:3306/database``: MySQL/MariaDB user-level locks (GET_LOCK).
 
-A lock is ``GET_LOCK(key, 0)`` on one dedicated connection per backend. It lives exactly as
-long as that session: no TTL, no fencing tokens, released by the server when the connection
-ends (crash, network loss, server restart). When our connection fails, every lock it held is
-reported lost (``extend`` returns None so the core raises LockLost, ``release`` returns False)
-and never silently re-taken on the next connection.
+A lock lives exactly as long as the session that took it: no TTL, no fencing tokens, released
+by the server when the connection ends (crash, network loss, server restart). When one of our
+sessions fails, every lock it held is reported lost (``extend`` returns None so the core raises
+LockLost, ``release`` returns False) and never silently re-taken on another connection; the
+locks of our other sessions stay.
+
+Sessions. A lock that is free is taken with ``GET_LOCK(key, 0)`` on the backend's main
+session, which also runs the other quick statements (claims, inspect, the clock). A blocked
+acquire waits in the server: ``GET_LOCK(key, t)`` on an extra session that holds no lock,
+taken from a small pool (opened when first needed; at most ``MAX_IDLE`` kept idle). The server
+grants the lock to that session the moment the holder releases, and that session keeps it: a
+hand-off is the server's own wake-up, with no second statement. The session goes back to the
+pool when the lock is released. A session that holds a lock never waits, so a release never
+queues behind a wait.
 
 Lock keys are server-wide (not per database), at most 64 characters on MySQL, compared
 case-insensitively, and cut at a NUL byte. So the key is ``prefix + name`` only when the name
@@ -13,12 +22,10 @@ gets a readable stem, ``~`` and 96 bits of SHA-256 of its UTF-8 bytes, e.g.
 ``latchkey:report_2024_~3f9c…``. ``~`` never appears in a plain key, so a plain key and a
 hashed one never meet.
 
-GET_LOCK is re-entrant per session, and every thread of a process shares the session, so the
-backend keeps a local map ``key -> (owner, owner_info)``: one owner can neither take nor
-release another owner's lock through the shared session.
-
-A blocked acquire waits in the server: its waiter runs ``GET_LOCK(key, t)`` on a connection
-of its own and hands the lock straight back, only to learn the moment it was released (push).
+GET_LOCK is re-entrant per session, and every thread of a process shares the main session, so
+the backend keeps a local map ``key -> (owner, owner_info, session)``: one owner can neither
+take nor release another owner's lock. A second owner in the same process that waits for the
+name waits in the server, like any other client.
 
 Not offered: semaphores (``inspect`` could not enumerate slot keys without knowing the
 limit), listing and purging (the server exposes lock keys, not names, and only through
@@ -30,10 +37,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import math
 import os
 import re
+import socket
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
@@ -44,7 +52,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, key_prefix
 from latchkey.errors import Unsupported
-from latchkey.stores.base import Backend, Capabilities, Waiter
+from latchkey.stores.base import Backend, Capabilities
 from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, server_hung_up, utc
 
 #: What a granted (or still held) lock is: no token, no expiry. Immutable, so shared.
@@ -55,20 +63,32 @@ PREFIX_MAX = 24
 _PLAIN = re.compile(r"^[a-z0-9_:./-]+$")
 _UNREADABLE = re.compile(r"[^a-z0-9_:./-]")
 HASH_HEX = 24  # 96 bits of SHA-256
+#: The longest one blocked GET_LOCK waits; the core calls again with what is left. For the
+#: call, the session's read timeout is this wait plus the store's ``timeout``: a long wait is
+#: not taken for a hung server, and a hung server is still noticed.
+MAX_WAIT = 30.0
+#: Idle extra sessions kept for the next blocked acquire; the others are closed.
+MAX_IDLE = 2
 
 # The hot statements answer in their row count (an OK packet), not in a result set: PyMySQL
 # parses a result set (column descriptors, rows) in Python, which cost more than the server's
 # work on these calls (~12 µs a call here). SELECT … INTO a session variable returns no rows,
 # and its row count is 1 if the WHERE held, else 0.
 #
-# Tries the lock without waiting. In: key. Row count 1: taken. 0: busy, or GET_LOCK returned
-# NULL (session killed, out of memory); @latchkey_got keeps its answer for HOLDER_OF, on our
-# own session. GET_LOCK is evaluated once (a second evaluation would count a re-entry).
+# Tries the lock without waiting, on the main session. In: key. Row count 1: taken. 0: busy,
+# or GET_LOCK returned NULL (session killed, out of memory); @latchkey_got keeps its answer
+# for HOLDER_OF. GET_LOCK is evaluated once (a second evaluation would count a re-entry).
 TRY_LOCK = "SELECT 1 INTO @latchkey_row FROM DUAL WHERE (@latchkey_got := GET_LOCK(%s, 0)) = 1"
-# After a TRY_LOCK that took nothing: GET_LOCK's answer (0 busy, NULL failed) and the holding
-# connection's id (NULL if released in between). In: key. A process-list look-up here would
-# cost more than the lock itself, so only inspect() names the holder's client host. Short
-# column aliases here and below: a column's name is otherwise its expression's text.
+# A blocked acquire, on an extra session that holds no lock. In: key, seconds. Waits in the
+# server until the key is free, then takes it for this session (row count 1), or until the
+# seconds pass (0). @latchkey_got keeps GET_LOCK's answer for HOLDER_OF: 0 timed out, NULL
+# failed (KILL QUERY). A session holding nothing cannot be part of a deadlock.
+WAIT_LOCK = "SELECT 1 INTO @latchkey_row FROM DUAL WHERE (@latchkey_got := GET_LOCK(%s, %s)) = 1"
+# After a TRY_LOCK or WAIT_LOCK that took nothing, on the same session: GET_LOCK's answer
+# (0 busy, NULL failed) and the holding connection's id (NULL if released in between). In:
+# key. A process-list look-up here would cost more than the lock itself, so only inspect()
+# names the holder's client host. Short column aliases here and below: a column's name is
+# otherwise its expression's text.
 HOLDER_OF = "SELECT @latchkey_got AS g, IS_USED_LOCK(%s) AS r"
 # Ends the lock if this session holds it. In: key. Row count 1: released; 0: not ours (held by
 # another session, or no such lock).
@@ -76,10 +96,10 @@ RELEASE_LOCK = "SELECT 1 INTO @latchkey_row FROM DUAL WHERE RELEASE_LOCK(%s) = 1
 # Whether this very session (not a reconnected one) still holds the key. In: key. Row count
 # 1: it does.
 HOLDS = "SELECT 1 INTO @latchkey_row FROM DUAL WHERE IS_USED_LOCK(%s) = CONNECTION_ID()"
-# Who holds a key: the connection id (NULL: free), whether it is us, its client host.
-# In: key, key, key.
+# Who holds a key: the connection id (NULL: free; compared with our sessions' ids) and its
+# client host. In: key, key.
 INSPECT = """
-SELECT IS_USED_LOCK(%s), IS_USED_LOCK(%s) = CONNECTION_ID(),
+SELECT IS_USED_LOCK(%s),
        (SELECT HOST FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK(%s))"""
 # Ends another session (and so every lock it holds): the only way to take its lock. In: id.
 KILL = "KILL CONNECTION %s"
@@ -90,10 +110,6 @@ CLAIM_CALL = "GET_LOCK(%s, 0)"
 RELEASE_MANY = "SELECT {calls}"
 RELEASE_CALL = "RELEASE_LOCK(%s)"
 NOW = "SELECT UTC_TIMESTAMP(6)"
-# A waiter's wake-up, on its own connection. In: key, seconds, key. Blocks server-side until
-# the key is free (or the time is up), then gives it straight back in the same row: the
-# waiter never keeps it, it only learns the moment it was released. Out: 1 woken, 0 timed out.
-WAIT_FREE = "SELECT GET_LOCK(%s, %s), RELEASE_LOCK(%s)"
 
 
 def getlock_prefix(text: str) -> str:
@@ -115,6 +131,41 @@ def lock_key(name: str, prefix: str = "latchkey:") -> str:
     return f"{prefix}{stem}~{digest}"
 
 
+def wait_seconds(timeout: float | None, fractions: bool) -> float:
+    """How long one blocked GET_LOCK may wait, given the seconds left (None: no limit).
+
+    At most MAX_WAIT. MariaDB (≥ 10.1.2) honours fractions of a second; MySQL rounds the wait
+    to the nearest whole second, so there it is rounded down here: a wait never ends after the
+    caller's deadline. With less than a second left, MySQL's GET_LOCK only tries, and the core
+    tries again after a short backoff until the deadline.
+    """
+    seconds = MAX_WAIT if timeout is None else min(max(timeout, 0.0), MAX_WAIT)
+    return seconds if fractions else float(math.floor(seconds))
+
+
+class _Session:
+    """One connection and its one cursor, reused by every call on it."""
+
+    __slots__ = ("conn", "cur", "fractions", "id")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.cur = conn.cursor()
+        self.id: int = conn.thread_id()  # CONNECTION_ID(), from the handshake
+        self.fractions = "mariadb" in conn.get_server_info().lower()
+
+    def close(self) -> None:
+        with contextlib.suppress(*DRIVER_ERRORS):
+            self.conn.close()
+
+    def interrupt(self) -> None:
+        """End a wait another thread is in: its read fails at once (it then closes us)."""
+        sock = getattr(self.conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 class GetLockBackend(Backend):
     """Session-tied GET_LOCK locks; see the module docstring for what it can't do."""
 
@@ -125,6 +176,7 @@ class GetLockBackend(Backend):
         durable=False,
         listing=False,
         push=True,
+        blocking=True,
         semaphores=False,
         claims=True,
         records=False,
@@ -141,62 +193,105 @@ class GetLockBackend(Backend):
         super().__init__(url)
         self.prefix: str = self.config["prefix"]
         self._connect_args = connect_args(self)
-        self._conn: Any = None
-        self._cur: Any = None  # the session's one cursor, reused by every call
-        self._pid = 0
+        # Everything below is guarded by the mutex, and belongs to the process in _pid.
         self._mutex = threading.Lock()
-        # key -> (owner token, owner_info): the locks this process holds through _conn.
-        self._held: dict[str, tuple[str, str]] = {}
+        self._pid = os.getpid()
+        self._main: _Session | None = None
+        self._idle: list[_Session] = []  # extra sessions holding nothing, for the next wait
+        self._waiting: set[_Session] = set()  # extra sessions in a wait (used without the mutex)
+        # key -> (owner token, owner_info, the session holding it): this process's locks.
+        self._held: dict[str, tuple[str, str, _Session]] = {}
 
     def key(self, name: str) -> str:
         return lock_key(name, self.prefix)
 
-    # -- connection ----------------------------------------------------------------------------
+    # -- sessions ------------------------------------------------------------------------------
 
-    def _session(self) -> None:
-        """Make sure the session is open (call under the mutex). A new one after a failure or
-        a fork starts with no locks: those of the old session died with it (or belong to the
-        parent). No round trip: a session the server ended shows as input on the idle socket."""
-        if self._conn is not None and self._pid == os.getpid():
-            if not server_hung_up(self._conn):
-                return
-            self._lose_session()  # the server ended our session: its locks are gone
-        self._conn, self._cur, self._held = None, None, {}  # after fork: the parent's
-        self._conn = pymysql.connect(**self._connect_args)
-        self._cur = self._conn.cursor()
+    def _session(self) -> _Session:
+        """The main session, open (call under the mutex). A new one after a failure or a fork
+        starts with no locks: those of the old one died with it (or belong to the parent). No
+        round trip: a session the server ended shows as input on the idle socket."""
+        main = self._main
+        if main is not None and self._pid == os.getpid():
+            if not server_hung_up(main.conn):
+                return main
+            self._lose(main)  # the server ended it: its locks are gone
+        if self._pid != os.getpid():
+            self._forget()
+        main = self._main = _Session(pymysql.connect(**self._connect_args))
+        return main
+
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's sessions and locks, unclosed (closing would
+        end the parent's sessions)."""
+        self._main, self._idle, self._waiting, self._held = None, [], set(), {}
         self._pid = os.getpid()
 
-    def _query(self, sql: str, params: Any = None) -> Sequence[tuple[Any, ...]]:
-        """Run one single-statement query on the session (under the mutex, after _session()
-        or a true _mine() in the same hold); return its rows."""
-        self._cur.execute(sql, params)
-        rows: Sequence[tuple[Any, ...]] = self._cur.fetchall()
-        return rows
-
-    def _count(self, sql: str, params: Any = None) -> int:
-        """Like _query, for the statements that answer in their row count."""
-        count: int = self._cur.execute(sql, params)
-        return count
-
-    def _lose_session(self) -> None:
-        """Close a failed session: the server ends its locks, so they are lost to us."""
-        conn, self._conn, self._cur, self._held = self._conn, None, None, {}
-        if conn is not None and self._pid == os.getpid():
-            with contextlib.suppress(*DRIVER_ERRORS):
-                conn.close()
+    def _lose(self, session: _Session) -> None:
+        """Close a failed session (under the mutex): the server ends its locks, so they are
+        lost to us. The other sessions' locks stay."""
+        self._held = {key: entry for key, entry in self._held.items() if entry[2] is not session}
+        if session is self._main:
+            self._main = None
+        if self._pid == os.getpid():
+            session.close()
 
     def _failed(self, exc: BaseException, action: str) -> NoReturn:
-        self._lose_session()
+        """The main session failed: lose it and raise StoreUnavailable."""
+        if self._main is not None:
+            self._lose(self._main)
         self.unavailable(exc, action)
 
-    def _mine(self, key: str, owner: str) -> bool:
-        """True if ``owner`` took ``key`` through the current, still open session (under the
-        mutex). No round trip: a session the server ended shows as input on the idle socket."""
-        if self._conn is None or self._pid != os.getpid() or server_hung_up(self._conn):
-            self._lose_session()
-            return False
-        entry = self._held.get(key)
-        return entry is not None and entry[0] == owner
+    def _reachable(self, action: str) -> None:
+        """One of our sessions died: raise StoreUnavailable if the server cannot be reached
+        either (an outage); return if it can (the lock is lost: killed session, restart)."""
+        try:
+            self._session()
+        except DRIVER_ERRORS as exc:
+            self._failed(exc, action)
+
+    def _checkout(self, action: str) -> _Session:
+        """An extra session holding no lock, for one blocked acquire: an idle one the server
+        has not ended (a killed one is never reused), else a new one."""
+        with self._mutex:
+            if self._pid != os.getpid():
+                self._forget()
+            while self._idle:
+                session = self._idle.pop()
+                if not server_hung_up(session.conn):
+                    self._waiting.add(session)
+                    return session
+                session.close()
+        try:
+            session = _Session(pymysql.connect(**self._connect_args))
+        except DRIVER_ERRORS as exc:
+            self.unavailable(exc, action)
+        with self._mutex:
+            self._waiting.add(session)
+        return session
+
+    def _rest(self, session: _Session) -> None:
+        """An extra session that holds nothing any more (under the mutex): kept for the next
+        wait, or closed if enough are idle."""
+        self._waiting.discard(session)
+        if len(self._idle) < MAX_IDLE:
+            self._idle.append(session)
+        else:
+            session.close()
+
+    def _discard(self, session: _Session) -> None:
+        """Close an extra session whose wait failed or was interrupted: the server frees
+        whatever it had taken."""
+        with self._mutex:
+            self._waiting.discard(session)
+            session.close()
+
+    @staticmethod
+    def _rows(session: _Session, sql: str, params: Any = None) -> Sequence[tuple[Any, ...]]:
+        """Run one single-statement query on an open session (under the mutex); its rows."""
+        session.cur.execute(sql, params)
+        rows: Sequence[tuple[Any, ...]] = session.cur.fetchall()
+        return rows
 
     # -- leases --------------------------------------------------------------------------------
 
@@ -208,13 +303,14 @@ class GetLockBackend(Backend):
         key = self.key(name)
         with self._mutex:
             try:
-                self._session()
-                if key in self._held:  # ours already, for another owner: re-entry would succeed
-                    return Busy(1, Holder(None, Owner.from_json(self._held[key][1]), None, None))
-                if self._count(TRY_LOCK, (key,)) == 1:
-                    self._held[key] = (owner, owner_info)
+                main = self._session()
+                entry = self._held.get(key)
+                if entry is not None:  # ours already, for another owner (no re-entry)
+                    return Busy(1, Holder(None, Owner.from_json(entry[1]), None, None))
+                if main.cur.execute(TRY_LOCK, (key,)) == 1:
+                    self._held[key] = (owner, owner_info, main)
                     return HELD
-                got, holder_id = self._query(HOLDER_OF, (key,))[0]
+                got, holder_id = self._rows(main, HOLDER_OF, (key,))[0]
                 if got is None:
                     self._failed(RuntimeError("GET_LOCK returned NULL"), f"acquire {name!r}")
             except DRIVER_ERRORS as exc:
@@ -223,71 +319,127 @@ class GetLockBackend(Backend):
             return Busy(0)  # released between our attempt and the look-up: retry at once
         return Busy(1, _other_holder(holder_id, None))
 
+    def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Grant | Busy:
+        """``GET_LOCK(key, t)`` on an extra session that holds nothing: the server grants the
+        lock to that session when it is free, and the session keeps it until release."""
+        if limit != 1:
+            raise Unsupported(f"the {self.scheme} store does not support semaphores")
+        key = self.key(name)
+        action = f"wait for {name!r}"
+        session = self._checkout(action)
+        seconds = wait_seconds(timeout, session.fractions)
+        conn = session.conn
+        try:
+            conn._read_timeout = self.timeout + seconds  # PyMySQL reads it at each packet
+            try:
+                taken = session.cur.execute(WAIT_LOCK, (key, seconds))
+            finally:
+                conn._read_timeout = self.timeout
+            if taken == 1:
+                with self._mutex:
+                    self._waiting.discard(session)
+                    stale = self._held.get(key)
+                    if stale is not None and stale[2] is not self._main:
+                        # Only its session's end frees a key an extra session held, and it
+                        # held no other: lose it, nothing else is lost.
+                        self._lose(stale[2])
+                    self._held[key] = (owner, owner_info, session)
+                return HELD
+            got, holder_id = self._rows(session, HOLDER_OF, (key,))[0]
+        except DRIVER_ERRORS as exc:
+            self._discard(session)
+            self.unavailable(exc, action)
+        except BaseException:
+            self._discard(session)  # Ctrl-C: the server frees whatever the wait got
+            raise
+        if got is None:  # KILL QUERY, out of memory
+            self._discard(session)
+            self.unavailable(RuntimeError("GET_LOCK returned NULL"), action)
+        with self._mutex:
+            self._rest(session)
+            entry = self._held.get(key)
+            if entry is not None:  # held by another owner in this process
+                return Busy(1, Holder(None, Owner.from_json(entry[1]), None, None))
+        if holder_id is None:
+            return Busy(0)  # released just as the wait ended
+        return Busy(1, _other_holder(holder_id, None))
+
     def release(self, name: str, owner: str) -> bool:
         key = self.key(name)
         with self._mutex:
             entry = self._held.get(key)
             if entry is None or entry[0] != owner:
                 return False
-            if self._conn is None or self._pid != os.getpid():
-                self._lose_session()  # a fork's copy of the parent's session: not ours
+            if self._pid != os.getpid():
+                self._forget()  # a fork's copy of the parent's lock: not ours
                 return False
+            session = entry[2]
             # No liveness check first: on a session the server ended, RELEASE_LOCK fails and
             # the answer is the same, False (its locks ended with it).
             try:
-                released = self._count(RELEASE_LOCK, (key,))
+                released: int = session.cur.execute(RELEASE_LOCK, (key,))
             except DRIVER_ERRORS:
-                self._lose_session()  # the session is gone, and the lock with it
+                self._lose(session)  # the session is gone, and its locks with it
                 return False
             del self._held[key]
+            if session is not self._main:
+                self._rest(session)
             return released == 1
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
-        """No TTL to move: checks that our session is alive and still holds the lock.
+        """No TTL to move: checks that the session holding the lock is alive and still
+        holds it.
 
-        If the check fails, the session is closed and every lock in it is lost. Then, if the
-        server answers a new connection, the lock was lost (killed session, restart): None,
-        so the holder sees LockLost; if it does not, StoreUnavailable (an outage), and the
-        next extend returns None."""
+        If the check fails, that session is closed and every lock in it is lost. Then, if the
+        server answers, the lock was lost (killed session, restart): None, so the holder sees
+        LockLost; if it does not, StoreUnavailable (an outage), and the next extend returns
+        None."""
         key = self.key(name)
+        action = f"check the lock {name!r}"
         with self._mutex:
             entry = self._held.get(key)
             if entry is None or entry[0] != owner:
                 return None
-            if not self._mine(key, owner):  # the session ended while idle
-                self._reachable(f"check the lock {name!r}")
+            session = entry[2]
+            # No round trip: a session the server ended shows as input on the idle socket.
+            if self._pid != os.getpid() or server_hung_up(session.conn):
+                self._lose(session)
+                self._reachable(action)
                 return None
             try:
-                holds = self._count(HOLDS, (key,))
+                holds = session.cur.execute(HOLDS, (key,))
             except DRIVER_ERRORS:
-                self._lose_session()
-                self._reachable(f"check the lock {name!r}")
+                self._lose(session)
+                self._reachable(action)
                 return None
             if holds != 1:  # the session lives on but no longer holds it
                 del self._held[key]
+                if session is not self._main:
+                    self._rest(session)
                 return None
         return HELD
-
-    def _reachable(self, action: str) -> None:
-        """Our session died: raise StoreUnavailable if the server cannot be reached either
-        (an outage); return if it can (the lock is lost: killed session, or a restart)."""
-        try:
-            self._session()
-        except DRIVER_ERRORS as exc:
-            self._failed(exc, action)
 
     def inspect(self, name: str) -> LockInfo | None:
         key = self.key(name)
         with self._mutex:
             try:
-                self._session()
-                holder_id, ours, host = self._query(INSPECT, (key, key, key))[0]
+                main = self._session()
+                holder_id, host = self._rows(main, INSPECT, (key, key))[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"inspect {name!r}")
             if holder_id is None:
                 return None
-            if ours == 1 and key in self._held:
-                holder = Holder(None, Owner.from_json(self._held[key][1]), None, None)
+            entry = self._held.get(key)
+            if entry is not None and entry[2].id == int(holder_id):
+                holder = Holder(None, Owner.from_json(entry[1]), None, None)
             else:
                 holder = _other_holder(holder_id, host)
         return LockInfo(name, (holder,))
@@ -301,22 +453,36 @@ class GetLockBackend(Backend):
         """Release it if this process holds it; otherwise end the connection that does
         (which ends every lock of that session: its holders will see LockLost)."""
         key = self.key(name)
+        action = f"force-release {name!r}"
         with self._mutex:
             try:
-                self._session()  # a session found ended takes its locks (and _held) with it
-                if key in self._held:
-                    del self._held[key]
-                    return self._count(RELEASE_LOCK, (key,)) == 1
-                holder_id, ours, _ = self._query(INSPECT, (key, key, key))[0]
-                if holder_id is None or ours == 1:
+                main = self._session()  # a session found ended takes its locks with it
+            except DRIVER_ERRORS as exc:
+                self._failed(exc, action)
+            entry = self._held.get(key)
+            if entry is not None:  # ours: released on the session holding it
+                session = entry[2]
+                try:
+                    released: int = session.cur.execute(RELEASE_LOCK, (key,))
+                except DRIVER_ERRORS:
+                    self._lose(session)  # its locks ended with it
+                    self._reachable(action)
                     return False
-                self._query(KILL, (int(holder_id),))
+                del self._held[key]
+                if session is not self._main:
+                    self._rest(session)
+                return released == 1
+            try:
+                holder_id, _ = self._rows(main, INSPECT, (key, key))[0]
+                if holder_id is None or int(holder_id) == main.id:
+                    return False
+                main.cur.execute(KILL, (int(holder_id),))
             except pymysql.err.OperationalError as exc:
                 if exc.args[0] == UNKNOWN_THREAD:
                     return False  # it ended on its own in between
-                self._failed(exc, f"force-release {name!r}")
+                self._failed(exc, action)
             except DRIVER_ERRORS as exc:
-                self._failed(exc, f"force-release {name!r}")
+                self._failed(exc, action)
         return True
 
     def purge_expired(self) -> int:
@@ -329,7 +495,7 @@ class GetLockBackend(Backend):
     ) -> dict[str, Grant]:
         with self._mutex:
             try:
-                self._session()
+                main = self._session()
                 candidates: dict[str, str] = {}
                 for name in names:
                     key = self.key(name)
@@ -339,43 +505,52 @@ class GetLockBackend(Backend):
                     return {}
                 keys = list(candidates)
                 calls = ", ".join([CLAIM_CALL] * len(keys))
-                row = self._query(CLAIM.format(calls=calls), keys)[0]
+                row = self._rows(main, CLAIM.format(calls=calls), keys)[0]
             except DRIVER_ERRORS as exc:
                 self._failed(exc, f"claim {len(names)} names")
             if any(got is None for got in row):  # an error inside the batch: give all back
                 self._failed(RuntimeError("GET_LOCK returned NULL"), f"claim {len(names)} names")
             taken = {candidates[key] for key, got in zip(keys, row, strict=True) if int(got) == 1}
             for name in taken:
-                self._held[self.key(name)] = (owner, owner_info)
+                self._held[self.key(name)] = (owner, owner_info, main)
         return {name: HELD for name in names if name in taken}
 
     def release_many(self, names: Sequence[str], owner: str) -> int:
+        """One RELEASE_LOCK batch per session holding some of ``names`` (claims are all on
+        the main session)."""
         with self._mutex:
-            keys = [k for k in dict.fromkeys(self.key(n) for n in names) if self._mine(k, owner)]
-            if not keys:
+            if self._pid != os.getpid():
+                self._forget()
                 return 0
-            calls = ", ".join([RELEASE_CALL] * len(keys))
-            try:
-                row = self._query(RELEASE_MANY.format(calls=calls), keys)[0]
-            except DRIVER_ERRORS:
-                self._lose_session()
-                return 0
-            for key in keys:
-                del self._held[key]
-            return sum(1 for released in row if released == 1)
+            by_session: dict[_Session, list[str]] = {}
+            for key in dict.fromkeys(self.key(n) for n in names):
+                entry = self._held.get(key)
+                if entry is not None and entry[0] == owner:
+                    by_session.setdefault(entry[2], []).append(key)
+            released = 0
+            for session, keys in by_session.items():
+                if server_hung_up(session.conn):  # ended while idle: its locks are gone
+                    self._lose(session)
+                    continue
+                calls = ", ".join([RELEASE_CALL] * len(keys))
+                try:
+                    row = self._rows(session, RELEASE_MANY.format(calls=calls), keys)[0]
+                except DRIVER_ERRORS:
+                    self._lose(session)
+                    continue
+                for key in keys:
+                    del self._held[key]
+                if session is not self._main:
+                    self._rest(session)
+                released += sum(1 for answer in row if answer == 1)
+            return released
 
-    # -- waiting, health, lifecycle ------------------------------------------------------------
-
-    def subscribe(self, name: str) -> Waiter:
-        """A waiter that blocks in the server (GET_LOCK with a timeout, on a connection of its
-        own) until the holder releases, so a blocked acquire wakes at once, not at a poll."""
-        return _FreeWaiter(self, self.key(name))
+    # -- health, lifecycle ---------------------------------------------------------------------
 
     def now(self) -> datetime:
         with self._mutex:
             try:
-                self._session()
-                return utc(self._query(NOW)[0][0])
+                return utc(self._rows(self._session(), NOW)[0][0])
             except DRIVER_ERRORS as exc:
                 self._failed(exc, "read the clock")
 
@@ -387,49 +562,23 @@ class GetLockBackend(Backend):
                 self._failed(exc, "connect")
 
     def close(self) -> None:
-        """Closing the session ends every lock it holds."""
+        """Closing the sessions ends every lock they hold; a wait in progress in another
+        thread fails with StoreUnavailable."""
         with self._mutex:
-            self._lose_session()
+            if self._pid != os.getpid():
+                self._forget()
+                return
+            sessions = {entry[2] for entry in self._held.values()} | set(self._idle)
+            if self._main is not None:
+                sessions.add(self._main)
+            for session in self._waiting:
+                session.interrupt()  # its thread closes it
+            self._main, self._idle, self._waiting, self._held = None, [], set(), {}
+            for session in sessions:
+                session.close()
 
 
 UNKNOWN_THREAD = 1094  # KILL of a connection that no longer exists
-
-
-class _FreeWaiter(Waiter):
-    """Wakes when a key is released: GET_LOCK(key, t) then RELEASE_LOCK on its own connection,
-    opened on the first wait (only contended acquires pay for it) and closed with the wait."""
-
-    def __init__(self, backend: GetLockBackend, key: str) -> None:
-        self.backend = backend
-        self.key = key
-        self._conn: Any = None
-
-    def wait(self, timeout: float) -> bool:
-        started = time.monotonic()
-        # A server-side wait never outlasts the connection's read timeout (one second more).
-        seconds = max(0.0, min(timeout, self.backend.timeout))
-        try:
-            if self._conn is None:
-                args = dict(self.backend._connect_args)
-                args["read_timeout"] = self.backend.timeout + 1.0
-                self._conn = pymysql.connect(**args)
-            with self._conn.cursor() as cur:
-                cur.execute(WAIT_FREE, (self.key, seconds, self.key))
-                row = cur.fetchone()
-        except DRIVER_ERRORS:
-            self.close()  # a wake-up hint only: the next acquire reports the failure
-            row = None
-        if row is not None and row[0] == 1:
-            return True
-        # Timed out, or the server rounds timeouts to whole seconds (MySQL): sleep the rest.
-        time.sleep(max(0.0, timeout - (time.monotonic() - started)))
-        return False
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(*DRIVER_ERRORS):
-                conn.close()
 
 
 def _other_holder(connection_id: Any, host: Any) -> Holder:
