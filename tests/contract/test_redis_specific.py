@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -243,6 +243,83 @@ def test_acquire_and_release_are_one_evalsha_each(backend: RedisBackend) -> None
     assert not {"eval", "script|load", "script", "ping", "hello", "auth"} & spent.keys()
 
 
+def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
+    backend: RedisBackend,
+) -> None:
+    """The mutex fast paths: acquire is EXISTS (both shapes at once), TIME, INCR, SET;
+    release is GET, DEL, PUBLISH. Nothing of the semaphore path runs."""
+    backend.acquire("warm", "w" * 32, INFO, 30)
+    backend.release("warm", "w" * 32)
+
+    def spent(call: Callable[[], object]) -> dict[str, int]:
+        before = _commands(backend.client)
+        call()
+        after = _commands(backend.client)
+        out = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        out.pop("info", None)
+        return out
+
+    acquire = spent(lambda: backend.acquire("n", "a" * 32, INFO, 30))
+    assert acquire == {"evalsha": 1, "exists": 1, "time": 1, "incr": 1, "set": 1}
+    release = spent(lambda: backend.release("n", "a" * 32))
+    assert release == {"evalsha": 1, "get": 1, "del": 1, "publish": 1}
+
+
+@pytest.mark.parametrize("first_limit", [2, 3])
+def test_a_live_semaphore_holder_keeps_a_mutex_out(
+    backend: RedisBackend, first_limit: int
+) -> None:
+    """The mutex fast path must see the other shape: no over-grant when a semaphore holds."""
+    sem = backend.acquire("n", "a" * 32, INFO, 30, limit=first_limit)
+    assert isinstance(sem, Grant)
+    busy = backend.acquire("n", "b" * 32, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holders == 1
+    assert busy.holder is not None and busy.holder.token == sem.token
+    assert backend.release("n", "b" * 32) is False
+    assert backend.extend("n", "b" * 32, 60) is None
+    assert backend.release("n", "a" * 32) is True
+    grant = backend.acquire("n", "b" * 32, INFO, 30)
+    assert isinstance(grant, Grant) and grant.token == sem.token + 1  # type: ignore[operator]
+
+
+def test_expired_semaphore_members_do_not_keep_a_mutex_out(backend: RedisBackend) -> None:
+    """A zset that still exists but holds only expired members (it outlives its last score by
+    up to 1 ms; here made by hand) sends acquire to the exact count, which finds it free."""
+    _, leases, owners, _ = backend._keys("n")
+    backend.client.zadd(leases, {"x" * 32: 1000})  # expired in 1970
+    backend.client.hset(owners, "x" * 32, "7:0:{}")
+    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+    assert isinstance(backend.acquire("n", "b" * 32, INFO, 30, limit=2), Grant)  # 1 live of 2
+    info = backend.inspect("n")
+    assert info is not None and len(info.holders) == 2  # the mutex and the new slot
+
+
+def test_an_owner_token_that_is_a_prefix_of_the_holders_is_not_the_holder(
+    backend: RedisBackend,
+) -> None:
+    """The fast paths compare "owner:" with the start of the lease string."""
+    owner = "ab" * 16
+    grant = backend.acquire("n", owner, INFO, 30)
+    assert isinstance(grant, Grant)
+    for other in [owner[:-1], owner[:8], ""]:
+        assert backend.release("n", other) is False
+        assert backend.extend("n", other, 600) is None
+        assert isinstance(backend.acquire("n", other, INFO, 30), Busy)
+    extended = backend.extend("n", owner, 600)
+    assert extended is not None and extended.token == grant.token
+    assert backend.client.pttl(backend._keys("n")[0]) > 500_000
+    assert backend.release("n", owner) is True
+
+
+def test_a_flushed_script_cache_is_reloaded(backend: RedisBackend) -> None:
+    backend.acquire("warm", "w" * 32, INFO, 30)
+    backend.client.script_flush()
+    grant = backend.acquire("n", "a" * 32, INFO, 30)
+    assert isinstance(grant, Grant)
+    backend.client.script_flush()
+    assert backend.release("n", "a" * 32) is True
+
+
 def test_records_are_compare_and_set(backend: RedisBackend) -> None:
     assert backend.record_get("r") == (None, 0)
     assert backend.record_set("r", '{"a":1}', 0) == 1
@@ -297,6 +374,19 @@ def test_waiting_threads_take_turns_reading_the_shared_connection(backend: Redis
         assert woke[n] - released < 2
     for t in threads:
         t.join(timeout=5)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_waiting_subscriber_sees_every_release(backend: RedisBackend, limit: int) -> None:
+    """Both release paths (mutex fast path, semaphore slot) publish, every time."""
+    with backend.subscribe("n") as waiter:
+        for i in range(20):
+            owner = f"{i:032x}"
+            assert isinstance(backend.acquire("n", owner, INFO, 60, limit=limit), Grant)
+            assert backend.release("n", owner) is True
+            assert waiter.wait(5) is True, f"release {i} was not announced"
+        assert backend.release("n", "f" * 32) is False
+        assert waiter.wait(0.05) is False  # a release of nothing announces nothing
 
 
 def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend) -> None:
@@ -410,6 +500,66 @@ def test_a_hung_server_times_out_and_the_next_call_reconnects(own_server: Runnin
         backend.close()
 
 
+def test_an_idle_connection_the_server_closed_is_replaced(backend: RedisBackend) -> None:
+    """Like redis-py's pool: a pooled connection the server closed while it sat idle is
+    reconnected before use, not reported as an outage."""
+    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+    assert backend._connections.idle
+    kwargs = backend.client.connection_pool.connection_kwargs
+    with redis.Redis(host=kwargs["host"], port=kwargs["port"]) as admin:
+        killed = admin.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 1
+    assert backend.release("n", "a" * 32) is True
+    assert isinstance(backend.acquire("n", "b" * 32, INFO, 30), Grant)
+
+
+def test_the_first_call_after_a_restart_succeeds(own_server: RunningServer) -> None:
+    backend = open_backend(own_server.url)
+    try:
+        assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+        own_server.stop()
+        own_server.start()
+        grant = backend.acquire("n", "b" * 32, INFO, 30)  # on the pooled, now dead, connection
+        assert isinstance(grant, Grant) and grant.token == 1  # no persistence: a new counter
+    finally:
+        backend.close()
+
+
+def test_an_error_reply_keeps_the_connection(backend: RedisBackend) -> None:
+    backend.acquire("warm", "w" * 32, INFO, 30)
+    connections = len(backend.client.client_list())
+    backend.client.hset(backend._keys("bad")[0], "x", "1")  # not ours: a hash where a lease goes
+    with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
+        backend.acquire("bad", "a" * 32, INFO, 30)
+    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+    assert len(backend.client.client_list()) == connections
+
+
+def test_threads_share_the_connections(backend: RedisBackend) -> None:
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            for j in range(50):
+                owner = f"{i:016x}{j:016x}"
+                assert isinstance(backend.acquire(f"n{i}", owner, INFO, 30), Grant)
+                assert backend.release(f"n{i}", owner) is True
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors[0]
+    assert 1 <= len(backend._connections.idle) <= 8
+    socks = [conn._sock for conn, _, _ in backend._connections.idle]
+    assert len({id(s) for s in socks}) == len(socks)  # each connection once
+
+
 def test_db_number_comes_from_the_path(own_server: RunningServer) -> None:
     base = own_server.url.rsplit("/", 1)[0]
     backend = open_backend(f"{base}/3?prefix=p:")
@@ -432,6 +582,8 @@ def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
     if pid == 0:  # child: must not share the parent's sockets
         code = 1
         try:
+            if backend._connections.idle:
+                os._exit(3)
             busy = backend.acquire("n", "b" * 32, INFO, 30)
             waiter = backend.subscribe("n")
             waiter.close()
