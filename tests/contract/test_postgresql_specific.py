@@ -8,8 +8,12 @@ stays up for everyone else.
 
 from __future__ import annotations
 
+import _thread
+import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -645,7 +649,8 @@ def test_advisory_holder_in_another_process_is_named(
         assert busy.holder.owner.pid == os.getpid()
     finally:
         other.close()
-    assert advisory.inspect("n") is None  # closing the session ended its lock
+    # Closing the session ended its lock (the server ends a session just after its client).
+    eventually(lambda: advisory.inspect("n") is None, what="the lock gone with its session")
 
 
 def test_advisory_force_release_ends_the_holding_session(advisory: AdvisoryBackend) -> None:
@@ -707,7 +712,290 @@ def test_advisory_declares_what_it_cannot_do(advisory: AdvisoryBackend) -> None:
     caps = advisory.capabilities
     assert caps.session_tied and not caps.ttl and not caps.fencing and not caps.durable
     assert not caps.listing and not caps.semaphores and not caps.records and caps.push
+    assert caps.blocking  # waiters wait in the server (pg_advisory_lock), not on a notice
     with pytest.raises(latchkey.errors.Unsupported):
         list(advisory.list())
     with pytest.raises(latchkey.errors.Unsupported):
         advisory.acquire("n", _owner(), INFO, 10, limit=2)
+
+
+# -- the advisory store: waiting in the server -------------------------------------------------
+
+
+def _app_name(pid: int) -> str:
+    """The application_name every latchkey session of process ``pid`` sets."""
+    return f"latchkey {pid}@{socket.gethostname()}".encode()[:63].decode("utf-8", "ignore")
+
+
+def _advisory_waiters(sql: psycopg.Connection[tuple[object, ...]], pid: int) -> list[int]:
+    """Server pids of process ``pid``'s sessions now waiting for an advisory lock."""
+    rows = sql.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+        "AND wait_event = 'advisory' AND application_name = %s", (_app_name(pid),)
+    ).fetchall()
+    return [int(r[0]) for r in rows]  # type: ignore[call-overload]
+
+
+def _holder_pid(sql: psycopg.Connection[tuple[object, ...]], key: int) -> int | None:
+    unsigned = key & (2**64 - 1)
+    row = sql.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+        "AND classid = %s::bigint::oid AND objid = %s::bigint::oid",
+        (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+    ).fetchone()
+    return None if row is None else int(row[0])  # type: ignore[call-overload]
+
+
+# The waiter: counts the store calls its acquire makes, reports when it returned.
+_CHILD_WAITER = """
+import json, sys, time
+import latchkey
+store = latchkey.connect(sys.argv[1])
+calls = {"acquire": 0, "acquire_blocking": 0}
+for method in list(calls):
+    def counted(*args, _method=method, _original=getattr(store.backend, method), **kwargs):
+        calls[_method] += 1
+        return _original(*args, **kwargs)
+    setattr(store.backend, method, counted)
+got = store.lock(sys.argv[2], ttl="60s", wait="60s").acquire()
+print(json.dumps({"got": got, "at": time.monotonic(), **calls}), flush=True)
+store.close()
+"""
+
+
+def test_advisory_waiter_in_another_process_is_granted_by_the_server(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    owner = _owner()
+    assert isinstance(advisory.acquire("n", owner, INFO, 60), Grant)
+    # timeout=30: one server-side wait (90% of it) outlasts anything this test does
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_WAITER, f"{advisory.url.raw}&timeout=30", "n"],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+    )
+    try:
+        eventually(lambda: _advisory_waiters(sql, child.pid), what="the child waiting")
+        released = time.monotonic()
+        assert advisory.release("n", owner) is True
+        out, _ = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    report = json.loads(out)
+    assert report["got"] is True
+    # One try, then one wait that the release itself ended: no polling, no retry.
+    assert (report["acquire"], report["acquire_blocking"]) == (1, 1)
+    assert report["at"] - released < 5  # CLOCK_MONOTONIC: one clock for every process
+
+
+def test_advisory_wait_times_out_busy_with_the_holder_named(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    other = open_backend(advisory.url.raw)  # another session (in this process)
+    try:
+        assert isinstance(other.acquire("n", _owner(), INFO, 60), Grant)
+        started = time.monotonic()
+        busy = advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 0.3)
+        elapsed = time.monotonic() - started
+        assert isinstance(busy, Busy) and busy.holders == 1
+        assert busy.holder is not None and busy.holder.owner.pid == os.getpid()
+        assert 0.3 <= elapsed < 2
+        assert _advisory_waiters(sql, os.getpid()) == []  # the wait ended in the server
+        assert len(advisory._idle) == 1  # its session went back to the pool, holding nothing
+        # Through the core: the same answer, within the wait.
+        waiter = latchkey.connect(advisory.url.raw)
+        try:
+            lock = waiter.lock("n", ttl="60s", wait="300ms")
+            started = time.monotonic()
+            assert lock.acquire() is False
+            assert time.monotonic() - started < 2
+            assert lock.holder is not None and lock.holder.owner.pid == os.getpid()
+        finally:
+            waiter.close()
+    finally:
+        other.close()
+
+
+def test_advisory_killed_waiting_session_is_not_reused(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    other = open_backend(advisory.url.raw)
+    try:
+        held = _owner()
+        assert isinstance(other.acquire("n", held, INFO, 60), Grant)
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 30)
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        (killed,) = eventually(lambda: _advisory_waiters(sql, os.getpid()), what="waiting")
+        sql.execute("SELECT pg_terminate_backend(%s)", (killed,))
+        t.join(30)
+        assert len(errors) == 1 and isinstance(errors[0], StoreUnavailable)
+        assert advisory._spares == {} and advisory._idle == []  # closed, not pooled
+        assert other.release("n", held) is True
+        granted = advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 5)
+        assert isinstance(granted, Grant)
+        assert _holder_pid(sql, advisory.key("n")) not in (None, killed)
+    finally:
+        other.close()
+
+
+def test_advisory_interrupted_wait_closes_its_session(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """Ctrl-C while waiting in the server: the session may have been granted the lock just
+    before the cancel; it is closed, so nobody holds the lock through it."""
+    other = open_backend(advisory.url.raw)
+    try:
+        held = _owner()
+        assert isinstance(other.acquire("n", held, INFO, 60), Grant)
+        waiting: list[int] = []
+
+        def interrupt() -> None:
+            waiting.extend(eventually(lambda: _advisory_waiters(sql, os.getpid())))
+            _thread.interrupt_main()
+
+        t = threading.Thread(target=interrupt)
+        t.start()
+        with pytest.raises(KeyboardInterrupt):
+            advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 30)
+        t.join(10)
+        assert advisory._spares == {} and advisory._idle == []
+
+        def gone() -> bool:
+            row = sql.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
+                              (waiting[0],)).fetchone()
+            return row == (0,)
+
+        eventually(gone, what="the interrupted session closed")
+        assert other.release("n", held) is True
+        assert advisory.inspect("n") is None
+    finally:
+        other.close()
+
+
+def test_advisory_a_dying_session_loses_only_its_own_locks(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    a, b, c = _owner(), _owner(), _owner()
+    assert isinstance(advisory.acquire("a", a, INFO, 60), Grant)  # the main session
+    # A free name is granted at once, on a spare session each (a holding spare never waits).
+    assert isinstance(advisory.acquire_blocking("b", b, INFO, 60, 1, 5), Grant)
+    assert isinstance(advisory.acquire_blocking("c", c, INFO, 60, 1, 5), Grant)
+    pids = {n: _holder_pid(sql, advisory.key(n)) for n in "abc"}
+    assert len(set(pids.values())) == 3 and None not in pids.values()
+    sql.execute("SELECT pg_terminate_backend(%s)", (pids["b"],))
+    eventually(lambda: _holder_pid(sql, advisory.key("b")) is None, what="b's session ended")
+    assert advisory.extend("b", b, 60) is None  # LockLost for b only
+    assert advisory.release("b", b) is False
+    assert advisory.extend("a", a, 60) == Grant(None, None)
+    assert advisory.extend("c", c, 60) == Grant(None, None)
+    # The main session dies: "a" goes with it, "c" stays; try-acquires reconnect.
+    sql.execute("SELECT pg_terminate_backend(%s)", (pids["a"],))
+    eventually(lambda: _holder_pid(sql, advisory.key("a")) is None, what="a's session ended")
+    assert advisory.extend("a", a, 60) is None
+    assert advisory.extend("c", c, 60) == Grant(None, None)
+    assert isinstance(advisory.acquire("c", _owner(), INFO, 60), Busy)
+    info = advisory.inspect("c")
+    assert info is not None and info.owner.pid == 1  # INFO: named from our own map
+    assert advisory.release("c", c) is True
+    assert advisory.inspect("c") is None
+
+
+def test_advisory_threads_of_one_backend_queue_in_the_server(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    store = latchkey.connect(advisory.url.raw)
+    try:
+        first = store.lock("n", ttl="60s")
+        assert first.acquire()
+        got: list[bool] = []
+        second = store.lock("n", ttl="60s", wait="30s")
+        t = threading.Thread(target=lambda: got.append(second.acquire()))
+        t.start()
+        eventually(lambda: _advisory_waiters(sql, os.getpid()), what="the second lock waiting")
+        assert got == []  # another session of this backend: the server makes it wait
+        assert first.release() is True
+        t.join(30)
+        assert got == [True]
+        assert first.acquire(wait=0) is False
+        assert second.release() is True
+
+        # Many threads, one name: one inside at a time, every hand-off through the server.
+        inside, entries, errors = [0], [0], []
+
+        def churn() -> None:
+            try:
+                for _ in range(30):
+                    with store.lock("m", ttl="60s", wait="60s"):
+                        inside[0] += 1
+                        if inside[0] != 1:
+                            errors.append(AssertionError("two holders at once"))
+                        time.sleep(0)
+                        inside[0] -= 1
+                        entries[0] += 1
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=churn) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert errors == [] and entries[0] == 120
+        backend = store.backend
+        assert isinstance(backend, AdvisoryBackend)
+        assert backend._held == {} and len(backend._idle) <= 2  # extra spares were closed
+        assert set(backend._spares) == set(backend._idle)
+    finally:
+        store.close()
+
+
+def test_advisory_close_ends_every_session(
+    advisory: AdvisoryBackend, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    assert isinstance(advisory.acquire("a", _owner(), INFO, 60), Grant)
+    assert isinstance(advisory.acquire_blocking("b", _owner(), INFO, 60, 1, 5), Grant)
+    assert isinstance(advisory.acquire_blocking("c", _owner(), INFO, 60, 1, 0.2), Grant)
+    pids = [_holder_pid(sql, advisory.key(n)) for n in "abc"]
+    advisory.close()
+
+    def closed() -> bool:
+        row = sql.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)",
+                          (pids,)).fetchone()
+        return row == (0,)
+
+    eventually(closed, what="every session closed")
+
+
+def test_advisory_fork_child_does_not_inherit_spare_sessions(advisory: AdvisoryBackend) -> None:
+    owner = _owner()
+    assert isinstance(advisory.acquire_blocking("b", owner, INFO, 60, 1, 5), Grant)
+    assert isinstance(advisory.acquire_blocking("idle", _owner(), INFO, 60, 1, 5), Grant)
+    assert advisory.release("idle", advisory._held[advisory.key("idle")].owner)
+    assert len(advisory._idle) == 1
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            lost = advisory.extend("b", owner, 10) is None and not advisory.release("b", owner)
+            busy = isinstance(advisory.acquire_blocking("b", _owner(), INFO, 10, 1, 0.1), Busy)
+            code = 0 if lost and busy else 2
+        finally:
+            os.write(write_fd, bytes([code]))
+            os._exit(0)
+    os.close(write_fd)
+    assert os.read(read_fd, 1) == b"\x00"
+    os.close(read_fd)
+    os.waitpid(pid, 0)
+    assert advisory.extend("b", owner, 10) == Grant(None, None)
+    assert advisory.release("b", owner) is True
+    assert isinstance(advisory.acquire_blocking("x", _owner(), INFO, 10, 1, 5), Grant)  # pooled
