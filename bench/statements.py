@@ -101,8 +101,7 @@ def pg_pairs(url: str) -> dict[str, Callable[[], None]]:
     def latchkey_advisory_sql() -> None:
         params = {"key": key, "hi": hi, "lo": lo}
         conn.execute(pg_advisory.TRY_LOCK, params, prepare=True).fetchall()
-        params = {"key": key, "channel": pg_advisory.CHANNEL}
-        conn.execute(pg_advisory.UNLOCK, params, prepare=True).fetchall()
+        conn.execute(pg_advisory.UNLOCK, {"key": key}, prepare=True).fetchall()
 
     return {
         "pg minimal": minimal(False),
