@@ -457,6 +457,22 @@ def test_a_waiter_that_acquired_by_retrying_leaves_the_queue(
     assert b.release("n", second)
 
 
+def test_an_attempt_that_finds_the_lease_handed_to_it_is_a_grant_with_what_is_left(
+    trio: list[PostgreSQLBackend],
+) -> None:
+    a, b, _ = trio
+    first, second = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", second, INFO, 20, 1)
+    assert a.release("n", first)  # handed to b while b was not looking
+    mine = b.acquire("n", second, INFO, 20)
+    assert isinstance(mine, Grant) and mine.remaining is not None and 0 < mine.remaining <= 20
+    assert isinstance(a.acquire("n", _owner(), INFO, 30), Busy)  # and it is nobody else's
+    wb.finish(mine)
+    wb.close()
+    assert b.release("n", second)
+
+
 def test_semaphore_waiters_are_not_queued(
     backend: PostgreSQLBackend, sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:
