@@ -132,28 +132,31 @@ class Lock:
         backend = self.store.backend
         owner = new_owner_token()
         owner_info = current_owner_json(self._metadata_json)
-        sent = 0.0
+        sent = time.monotonic()
+        result = backend.acquire(self.name, owner, owner_info, self.ttl, self.limit)
+        if isinstance(result, Busy) and wait_s != 0:  # wait: the uncontended path skips this
 
-        def attempt() -> Grant | Busy:
-            nonlocal sent
-            sent = time.monotonic()
-            return backend.acquire(self.name, owner, owner_info, self.ttl, self.limit)
+            def attempt() -> Grant | Busy:
+                nonlocal sent
+                sent = time.monotonic()
+                return backend.acquire(self.name, owner, owner_info, self.ttl, self.limit)
 
-        def block(timeout: float | None) -> Grant | Busy:
-            nonlocal sent
-            sent = time.monotonic()
-            return backend.acquire_blocking(
-                self.name, owner, owner_info, self.ttl, self.limit, timeout
+            def block(timeout: float | None) -> Grant | Busy:
+                nonlocal sent
+                sent = time.monotonic()
+                return backend.acquire_blocking(
+                    self.name, owner, owner_info, self.ttl, self.limit, timeout
+                )
+
+            result = wait_for(
+                attempt,
+                lambda: backend.wait_in_line(self.name, owner, owner_info, self.ttl, self.limit),
+                wait=wait_s,
+                limit=self.limit,
+                push=backend.capabilities.push,
+                block=block if backend.capabilities.blocking and self.limit == 1 else None,
+                first=result,
             )
-
-        result = wait_for(
-            attempt,
-            lambda: backend.wait_in_line(self.name, owner, owner_info, self.ttl, self.limit),
-            wait=wait_s,
-            limit=self.limit,
-            push=backend.capabilities.push,
-            block=block if backend.capabilities.blocking and self.limit == 1 else None,
-        )
         if isinstance(result, Busy):
             self.holder = result.holder
             return False

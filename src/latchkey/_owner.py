@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import threading
 import time
@@ -21,7 +20,7 @@ from latchkey.errors import ConfigError
 
 def new_owner_token() -> str:
     """128 random bits, hex: the secret that proves an acquisition is ours."""
-    return secrets.token_hex(16)
+    return os.urandom(16).hex()  # what secrets.token_hex(16) does, minus a call
 
 
 def _process_start_time() -> float:
@@ -95,14 +94,23 @@ class Owner:
         return f"{self.pid}@{self.host}" if self.host or self.pid else "unknown"
 
 
-_owner_json_cache: dict[tuple[int, int, str, str], str] = {}
+_owner_json_cache: dict[tuple[int, str, str], str] = {}
+
+
+def _forget_owner_json() -> None:
+    _owner_json_cache.clear()  # a forked child is another process: another pid and start
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_owner_json)
 
 
 def current_owner_json(metadata_json: str = "") -> str:
-    """``Owner.current(metadata).to_json()``, cached per process, thread and metadata: it is
-    computed on every acquire. ``metadata_json`` is the caller's metadata as canonical JSON."""
+    """``Owner.current(metadata).to_json()``, cached per thread and metadata (the cache is
+    emptied in a forked child): it is computed on every acquire. ``metadata_json`` is the
+    caller's metadata as canonical JSON."""
     thread = threading.current_thread()
-    key = (os.getpid(), thread.ident or 0, thread.name, metadata_json)
+    key = (thread.ident or 0, thread.name, metadata_json)
     text = _owner_json_cache.get(key)
     if text is None:
         if len(_owner_json_cache) > 1024:

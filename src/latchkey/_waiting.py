@@ -62,6 +62,7 @@ def wait_for(
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    first: Grant | Busy | None = None,
 ) -> Grant | Busy:
     """Call ``attempt`` until it grants, or ``wait`` seconds pass (None: no limit).
 
@@ -75,8 +76,10 @@ def wait_for(
     advisory locks, GET_LOCK), every attempt after the first waits inside the store: ``block``
     is called with the seconds left (None: no limit) and returns a Grant, or Busy when its wait
     ended without one (it may wait less than it was given; the loop calls it again).
+
+    ``first`` is the answer to a first attempt the caller already made.
     """
-    result = attempt()
+    result = attempt() if first is None else first
     if isinstance(result, Grant) or wait == 0:
         return result
     deadline = None if wait is None else clock() + wait
