@@ -119,17 +119,23 @@ def raw_started(port: int) -> int:
 
 
 class Counting:
-    """Counts round trips: each batch of commands written to a server starts one."""
+    """Counts round trips: each batch of commands written to a server starts one (through
+    ``_send``, or ``request`` on the hot path)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.trips = 0
-        original = _Connection._send
+        send, request = _Connection._send, _Connection.request
 
-        def send(conn: _Connection, data: bytes) -> None:
+        def counted_send(conn: _Connection, data: bytes) -> None:
             self.trips += 1
-            original(conn, data)
+            send(conn, data)
 
-        monkeypatch.setattr(_Connection, "_send", send)
+        def counted_request(conn: _Connection, data: bytes) -> bytes:
+            self.trips += 1
+            return request(conn, data)
+
+        monkeypatch.setattr(_Connection, "_send", counted_send)
+        monkeypatch.setattr(_Connection, "request", counted_request)
 
 
 # -- URL and options ---------------------------------------------------------------------------
@@ -347,20 +353,20 @@ def test_a_forked_child_neither_shares_sockets_nor_remembered_leases(
 ) -> None:
     assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
     (server,) = backend._servers.values()
-    (parent_conn,) = server._idle
+    (parent_conn,) = server.idle
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
         code = 1
         try:
             ok = backend.release("n", A) is True  # read first: the child remembers nothing
-            (child_conn,) = server._idle
+            (child_conn,) = server.idle
             ok = ok and child_conn is not parent_conn and not backend._held
             code = 0 if ok else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert server._idle == [parent_conn]
+    assert server.idle == [parent_conn]
     assert backend.inspect("n") is None  # the child released it; our connection still works
     assert backend.release("n", A) is False
 
@@ -499,7 +505,7 @@ def test_a_cas_remembered_before_a_restart_is_never_used_after_it(
     closing.extend([a, b])
     assert isinstance(a, MemcachedBackend) and isinstance(b, MemcachedBackend)
     assert isinstance(a.acquire("job", A, INFO, 60), Grant)
-    remembered = a._held["job", A].cas
+    remembered = a._held["job", A][1]  # (key, CAS, …)
     server.stop()
     server.start()
     assert isinstance(b.acquire("job", B, INFO, 60), Grant)  # the same writes, in order…

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from json.encoder import encode_basestring_ascii as _quote  # a str as a JSON literal (C)
-from typing import Any, Concatenate, NamedTuple, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from pymemcache.client.rendezvous import RendezvousHash
 
@@ -75,7 +75,10 @@ _KIND_ROOM = 24  # bytes kept free in a key for the kind ("slot12345:")
 _MONTH = 30 * 24 * 3600  # memcached reads larger TTLs as absolute Unix times
 _PLAIN = re.compile(r"[!-~]+")  # printable ASCII without space: usable in a key as is
 EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
+_fromtimestamp, _UTC = datetime.fromtimestamp, timezone.utc  # the hot path's, looked up once
+_ceil, _monotonic = math.ceil, time.monotonic
 _KERNEL_TIMEOUTS = sys.platform.startswith("linux")  # see _Connection.__init__
+_FRESH = 0.001  # seconds a pooled connection is reused without polling it (see checkout)
 _HELD_MAX = 4096  # leases whose CAS a backend remembers for one-round-trip release/extend
 
 # -- commands: %b is a key (prefixed, plain ASCII, ≤ 250 bytes); replies as noted -------------
@@ -102,6 +105,11 @@ DELETE_IF = b"md %b C%d\r\n"
 DELETE = b"md %b\r\n"
 # Write an item with no TTL (a semaphore's slot count). ``HD c<cas>``.
 SET_FOREVER = b"ms %b %d T0 c\r\n%b\r\n"
+# A lease's value (JSON): name, owner token, owner info (a JSON text, as a string), then the
+# server's start S (a new lease: its token is derived from its CAS) or the token itself (a
+# rewritten lease, whose CAS changed), then when it was acquired and when it expires (ms).
+NEW_LEASE = b'{"n":%b,"o":%b,"i":%b,"s":%d,"a":%d,"e":%d}'
+REWRITTEN_LEASE = b'{"n":%b,"o":%b,"i":%b,"t":%d,"a":%d,"e":%d}'
 # The server's clock and start: ``STAT time <unix s>``, ``STAT uptime <s>``…, then ``END``.
 STATS = b"stats\r\n"
 
@@ -168,6 +176,7 @@ class _Connection:
         self._buf = bytearray()
         self.started = 0
         self.instance: bytes | None = None
+        self.idle_since = -math.inf  # when it went back to the pool (monotonic)
         self._poll = select.poll()
         self._poll.register(self.sock, select.POLLIN)
 
@@ -186,13 +195,42 @@ class _Connection:
             raise TimeoutError(f"memcached did not take a command within {self.timeout}s") from None
 
     def _fill(self) -> None:
+        self._buf += self._recv()
+
+    def _recv(self) -> bytes:
         try:
             chunk = self.sock.recv(65536)
         except BlockingIOError:  # SO_RCVTIMEO expired
             raise TimeoutError(f"memcached did not answer within {self.timeout}s") from None
         if not chunk:
             raise ConnectionResetError("memcached closed the connection")
-        self._buf += chunk
+        return chunk
+
+    def request(self, commands: bytes) -> bytes:
+        """Send ``commands`` in one write (one round trip) and return what the first ``recv``
+        brings: usually the whole reply, one short line in one TCP segment.
+
+        The caller compares it with the one reply it expects, CRLF included (one comparison
+        of bytes, no parsing); anything else it hands back to :meth:`unread` and parses with
+        :meth:`reply`, so that no byte is skipped or read twice."""
+        if self._buf:  # replies never read: they would be taken for this request's
+            raise ProtocolError(f"{len(self._buf)} unread bytes before a request")
+        sock = self.sock  # _send() and _recv(), inline: the hot path
+        try:
+            sock.sendall(commands)
+        except BlockingIOError:  # SO_SNDTIMEO expired
+            raise TimeoutError(f"memcached did not take a command within {self.timeout}s") from None
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            raise TimeoutError(f"memcached did not answer within {self.timeout}s") from None
+        if not chunk:
+            raise ConnectionResetError("memcached closed the connection")
+        return chunk
+
+    def unread(self, chunk: bytes) -> None:
+        """Put back what :meth:`request` returned, to be parsed by :meth:`reply`."""
+        self._buf[:0] = chunk
 
     def _line(self) -> bytes:
         while (end := self._buf.find(b"\r\n")) < 0:
@@ -208,7 +246,8 @@ class _Connection:
         del self._buf[: size + 2]
         return data
 
-    def _reply(self) -> _Reply:
+    def reply(self) -> _Reply:
+        """Read and parse the next reply."""
         words = self._line().split()
         if not words or words[0] in (b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR"):
             raise ProtocolError(b" ".join(words).decode("ascii", "replace") or "empty reply")
@@ -223,15 +262,15 @@ class _Connection:
     def exchange(self, commands: Sequence[bytes]) -> list[_Reply]:
         """Send ``commands`` in one write and read one reply each: one round trip."""
         self._send(b"".join(commands))
-        return [self._reply() for _ in commands]
+        return [self.reply() for _ in commands]
 
-    def probe_add(self, commands: bytes) -> tuple[_Reply | None, _Reply]:
-        """A quiet read (PROBE) then a write, one round trip: (the read's hit or None, write)."""
-        self._send(commands)
-        first = self._reply()
+    def probe_add_replies(self) -> tuple[_Reply | None, _Reply]:
+        """Read the replies to a PROBE_ADD: (the read's hit, or None when it missed silently,
+        and the write's reply)."""
+        first = self.reply()
         if first.code != b"VA":  # the probe missed silently: this is the write's reply
             return None, first
-        return first, self._reply()
+        return first, self.reply()
 
     def _stats(self) -> tuple[int, int]:
         """Read a ``stats`` reply: the server's Unix time and its start (time - uptime)."""
@@ -259,8 +298,8 @@ class _Connection:
         self._send(STATS + ADD % (instance_key, len(fresh), 0, fresh) + READ % instance_key)
         now, started = self._stats()
         self.started = max(0, started - EPOCH)
-        _stored(self._reply())  # HD: we wrote the id; NS: it was there
-        current = self._reply()
+        _stored(self.reply())  # HD: we wrote the id; NS: it was there
+        current = self.reply()
         if current.code == b"VA":
             if current.flag(b"c") == 0:
                 raise ConfigError(
@@ -285,34 +324,39 @@ class _Server:
     def __init__(self, host: str, port: int, timeout: float, instance_key: bytes) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self.instance_key = instance_key
-        self._idle: list[_Connection] = []
-        self._clock: tuple[float, float] | None = None  # (server time, local monotonic)
+        self.idle: list[_Connection] = []
+        self.clock_offset = 0.0  # server time - local monotonic time, seconds…
+        self._clock_read = False  # …once a connection has read the server's clock
         _FORK_AWARE.add(self)
 
     def after_fork(self) -> None:
         """In a forked child: drop the parent's connections (closing the child's copies of
         their file descriptors leaves the parent's sockets open and undisturbed)."""
-        idle, self._idle = self._idle, []
+        idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
 
     def checkout(self) -> _Connection:
         """An idle connection that the server has not closed, or a new one.
 
-        Every reuse polls the socket first (a tenth of a round trip): a server restarted even
-        a millisecond ago (tests restart memcached in a few) closed it, and the call must go
-        to a fresh connection rather than fail; a command is never sent twice."""
+        A reuse polls the socket first (a system call, a tenth of a round trip): a server
+        restarted since (tests restart memcached in a few milliseconds) closed it, and the
+        call must go to a fresh connection rather than fail; a command is never sent twice.
+        A connection back in the pool for less than :data:`_FRESH` is not polled: no server
+        stops, starts again and listens within that time. (A server that only stopped is
+        StoreUnavailable either way: a refused reconnection, or a reset on this socket.)"""
         while True:
             try:
-                conn = self._idle.pop()
+                conn = self.idle.pop()
             except IndexError:
                 return self._open()
-            if not conn.stale():
+            if _monotonic() - conn.idle_since < _FRESH or not conn.stale():
                 return conn
             conn.close()  # the server restarted or dropped it: a fresh socket, not an error
 
     def checkin(self, conn: _Connection) -> None:
-        self._idle.append(conn)
+        conn.idle_since = _monotonic()
+        self.idle.append(conn)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[_Connection]:
@@ -336,15 +380,15 @@ class _Server:
 
     def _set_clock(self, seconds: int, before: float) -> None:
         # memcached's clock ticks in whole seconds: the true time is within the second after.
-        self._clock = (seconds + 0.5, (before + time.monotonic()) / 2)
+        self.clock_offset = seconds + 0.5 - (before + time.monotonic()) / 2
+        self._clock_read = True
 
     def now(self) -> float:
         """The server's clock (Unix seconds), estimated from its last reading."""
-        if self._clock is None:
-            with self.connection():
+        if not self._clock_read:
+            with self.connection():  # a new connection reads the clock
                 pass
-        assert self._clock is not None
-        return self._clock[0] + time.monotonic() - self._clock[1]
+        return self.clock_offset + time.monotonic()
 
     def read_clock(self, conn: _Connection) -> float:
         """Read the server's clock now on ``conn`` (one round trip) and return it."""
@@ -353,7 +397,7 @@ class _Server:
         return self.now()
 
     def close(self) -> None:
-        idle, self._idle = self._idle, []
+        idle, self.idle = self.idle, []
         for conn in idle:
             conn.close()
 
@@ -375,19 +419,21 @@ class _Lease:
         )
 
 
-class _Held(NamedTuple):
-    """What a backend remembers of a lease it took or extended, to release it in one trip."""
+# What a backend remembers of a lease it took or extended, to release or extend it in one
+# trip: (key, CAS, instance: the server process whose counter gave the CAS, token, owner info,
+# acquired ms). A plain tuple: a NamedTuple's constructor costs 20 times more, on every acquire.
+_Held = tuple[bytes, int, bytes, int, str, int]
 
-    key: bytes
-    cas: int
-    instance: bytes  # the server process whose counter gave ``cas``
-    token: int
-    info: str
-    acquired_ms: int
+
+def _json(text: str) -> bytes:
+    """``text`` as a JSON string literal (ASCII, quoted, escaped)."""
+    return _quote(text).encode("ascii")
+
+
 
 
 def _dt(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, timezone.utc)
+    return _fromtimestamp(seconds, _UTC)
 
 
 def _ms(seconds: float) -> int:
@@ -483,7 +529,7 @@ class MemcachedBackend(Backend):
             self._ring.add_node(node)
         self._only = next(iter(self._servers.values())) if len(self._servers) == 1 else None
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this backend
-        self._lock_keys: dict[str, bytes] = {}
+        self._hot_names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
         self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
         self._info = ("", b'""')  # the last owner_info and its JSON string literal
         _FORK_AWARE.add(self)
@@ -528,14 +574,15 @@ class MemcachedBackend(Backend):
         label = kind if slot == 0 else f"slot{slot}"
         return self.prefix + label.encode("ascii") + b":" + self._encode(name)
 
-    def _lock_key(self, name: str) -> bytes:
-        """``P lock:N``, remembered for the names used lately (the hot path's key)."""
-        key = self._lock_keys.get(name)
-        if key is None:
-            if len(self._lock_keys) >= _HELD_MAX:
-                self._lock_keys = {}
-            key = self._lock_keys[name] = self._key("lock", name)
-        return key
+    def _hot_name(self, name: str) -> tuple[bytes, bytes]:
+        """``P lock:N`` and the name as a JSON string literal, remembered for the names used
+        lately (the hot path's)."""
+        known = self._hot_names.get(name)
+        if known is None:
+            if len(self._hot_names) >= _HELD_MAX:
+                self._hot_names = {}
+            known = self._hot_names[name] = (self._key("lock", name), _json(name))
+        return known
 
     def _server(self, name: str) -> _Server:
         if self._only is not None:
@@ -543,32 +590,35 @@ class MemcachedBackend(Backend):
         return self._servers[self._ring.get_node(self._encode(name).decode("ascii"))]
 
     def _lease_value(
-        self, name: str, owner: str, info: str, part: bytes, acquired_ms: int, expires_ms: int
-    ) -> bytes:
-        """The lease's JSON. ``part`` is ``"s":S`` for a new lease (token from its CAS) or
-        ``"t":token`` for a rewritten one (its CAS changed, its token did not)."""
+        self, template: bytes, quoted_name: bytes, owner: str, info: str, number: int,
+        acquired_ms: int, expires_ms: int,
+    ) -> bytes:  # fmt: skip
+        """The lease's JSON: :data:`NEW_LEASE` (``number`` is S) or :data:`REWRITTEN_LEASE`
+        (``number`` is the token). ``quoted_name``: the name as a JSON string literal."""
         last, quoted = self._info
         if info is not last:  # the core passes the same owner JSON text again and again
-            quoted = _quote(info).encode("ascii")
+            quoted = _json(info)
             self._info = (info, quoted)
-        return b'{"n":%b,"o":%b,"i":%b,%b,"a":%d,"e":%d}' % (
-            _quote(name).encode("ascii"), _quote(owner).encode("ascii"), quoted, part,
-            acquired_ms, expires_ms,
-        )  # fmt: skip
+        return template % (
+            quoted_name, _quote(owner).encode("ascii"), quoted, number, acquired_ms, expires_ms
+        )
 
     # -- the remembered CAS of our own leases (process-local, bounded) -------------------------
 
     def _remember(self, name: str, owner: str, held: _Held) -> None:
-        held_map = self._held
-        if len(held_map) >= _HELD_MAX:  # forget the oldest (a lease never released, say)
-            with contextlib.suppress(StopIteration, KeyError, RuntimeError):
-                del held_map[next(iter(held_map))]
-        held_map[name, owner] = held
+        if len(self._held) >= _HELD_MAX:
+            self._forget_oldest()
+        self._held[name, owner] = held
+
+    def _forget_oldest(self) -> None:
+        """Make room in the bounded memory: drop the oldest (a lease never released, say)."""
+        with contextlib.suppress(StopIteration, KeyError, RuntimeError):
+            del self._held[next(iter(self._held))]
 
     def _forget(self, name: str, owner: str, conn: _Connection) -> _Held | None:
         """Take what we remember of (name, owner), if it is valid on ``conn``'s server."""
         held = self._held.pop((name, owner), None)
-        if held is None or conn.instance is None or held.instance != conn.instance:
+        if held is None or conn.instance is None or held[2] != conn.instance:
             return None  # unknown, or from another server lifetime: its CAS proves nothing
         return held
 
@@ -593,59 +643,137 @@ class MemcachedBackend(Backend):
 
     # -- leases ------------------------------------------------------------------------------
 
+    # acquire and release are the hot path (a lock per use, uncontended: two round trips of
+    # ~20 µs each, a few µs of Python around them), so they run _on() written out (without its
+    # *args), and acquire formats and parses a lease inline. The rest may take its time.
+
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        server = self._server(name)
-        args = (server, name, owner, owner_info, ttl, limit)
-        return self._on(server, "acquire", self._acquire, *args)
+        server = self._only or self._server(name)
+        idle = server.idle
+        try:
+            try:  # server.checkout() and checkin(), inline
+                conn = idle.pop()
+                if _monotonic() - conn.idle_since >= _FRESH and conn.stale():
+                    conn.close()
+                    conn = server.checkout()
+            except IndexError:  # the pool is empty
+                conn = server.checkout()
+            try:
+                result = self._add(conn, server, name, owner, owner_info, ttl, limit)
+            except BaseException:
+                conn.close()  # its stream may be mid-reply
+                raise
+            conn.idle_since = _monotonic()
+            idle.append(conn)
+            return result
+        except _ERRORS as exc:
+            self.unavailable(exc, "acquire")
 
-    def _acquire(
+    def _add(
         self, conn: _Connection, server: _Server, name: str, owner: str, owner_info: str,
         ttl: float, limit: int,
     ) -> Grant | Busy:  # fmt: skip
+        """Add a lease in a free slot of ``name`` (one round trip; a semaphore reads its
+        slots first, a second), or Busy with the live leases found."""
         live: list[_Lease] = []
-        if limit == 1:
-            key = self._lock_key(name)  # a mutex: try the add at once
-        else:  # a semaphore: find the free slots first (a second round trip)
-            count = str(limit).encode("ascii")
-            keys = [self._key("lock", name, i) for i in range(limit)]
-            replies = conn.exchange(
-                [SET_FOREVER % (self._key("limit", name), len(count), count)]
-                + [READ % k for k in keys]
-            )
-            slots = [_lease(k, r) for k, r in zip(keys, replies[1:], strict=True)]
-            live = [s for s in slots if s is not None]
-            free = [k for k, s in zip(keys, slots, strict=True) if s is None]
+        if limit == 1:  # a mutex: try the add at once
+            key, quoted_name = self._hot_names.get(name) or self._hot_name(name)
+        else:
+            free = self._free_slots(conn, name, limit, live)
             if not free:
                 return _busy(live)
             key = random.choice(free)  # contenders spread over the free slots
-        now = server.now()
-        acquired = _ms(now)
-        value = self._lease_value(
-            name, owner, owner_info, b'"s":%d' % conn.started, acquired, _ms(now + ttl)
-        )
-        probe, added = conn.probe_add(
-            PROBE_ADD % (key, key, len(value), _ttl_arg(ttl, now), value)
-        )
-        if _stored(added):
+            quoted_name = _json(name)
+        # _lease_value(), _ttl_arg(), _token(), _remember() and _dt(), inline:
+        now = server.clock_offset + _monotonic()  # server.now(): its clock was read (checkout)
+        acquired = round(now * 1000)
+        last, quoted_info = self._info
+        if owner_info is not last:
+            quoted_info = _json(owner_info)
+            self._info = (owner_info, quoted_info)
+        value = NEW_LEASE % (
+            quoted_name, _quote(owner).encode("ascii"), quoted_info, conn.started, acquired,
+            round((now + ttl) * 1000),
+        )  # fmt: skip
+        expiry = _ceil(ttl) + 1
+        if expiry > _MONTH:
+            expiry = _ttl_arg(ttl, now)
+        chunk = conn.request(PROBE_ADD % (key, key, len(value), expiry, value))
+        if (
+            chunk[:4] == b"HD c"  # stored, and the probe missed silently: "HD c<cas>\r\n"
+            and chunk[-2:] == b"\r\n"
+            and (digits := chunk[4:-2]).isdigit()  # (so the chunk holds no other reply)
+            and (cas := int(digits)) > 0
+        ):
+            pass  # the common reply, taken as is
+        else:
+            conn.unread(chunk)
+            probe, added = conn.probe_add_replies()
+            if not _stored(added):
+                winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
+                return _busy([*live, winner] if winner else live)
             cas = _new_cas(added)
-            token = _token(conn.started, cas)
-            if conn.instance is not None:
-                held = _Held(key, cas, conn.instance, token, owner_info, acquired)
-                self._remember(name, owner, held)
-            return Grant(token, _dt(now + ttl))
-        winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
-        return _busy([*live, winner] if winner else live)
+        token = (conn.started << 32) + cas
+        if conn.instance is not None:
+            held = self._held
+            if len(held) >= _HELD_MAX:
+                self._forget_oldest()
+            held[name, owner] = (key, cas, conn.instance, token, owner_info, acquired)
+        return Grant(token, _fromtimestamp(now + ttl, _UTC))
+
+    def _free_slots(
+        self, conn: _Connection, name: str, limit: int, live: list[_Lease]
+    ) -> list[bytes]:
+        """A semaphore's free slots (keys), after writing its limit (one round trip); its
+        live leases are appended to ``live``."""
+        count = str(limit).encode("ascii")
+        keys = [self._key("lock", name, i) for i in range(limit)]
+        replies = conn.exchange(
+            [SET_FOREVER % (self._key("limit", name), len(count), count)]
+            + [READ % k for k in keys]
+        )
+        slots = [_lease(k, r) for k, r in zip(keys, replies[1:], strict=True)]
+        live.extend(s for s in slots if s is not None)
+        return [k for k, s in zip(keys, slots, strict=True) if s is None]
 
     def release(self, name: str, owner: str) -> bool:
-        return self._on(self._server(name), "release", self._release, name, owner)
+        server = self._only or self._server(name)
+        held = self._held.pop((name, owner), None)
+        idle = server.idle
+        try:
+            try:  # server.checkout() and checkin(), inline: the hot path
+                conn = idle.pop()
+                if _monotonic() - conn.idle_since >= _FRESH and conn.stale():
+                    conn.close()
+                    conn = server.checkout()
+            except IndexError:  # the pool is empty
+                conn = server.checkout()
+            try:
+                # The CAS we remember is valid only on the server process that gave it.
+                if held is not None and held[2] == conn.instance:
+                    chunk = conn.request(DELETE_IF % (held[0], held[1]))
+                    # HD: the item with our CAS was there, live: our lease, now gone.
+                    done = chunk == b"HD\r\n"
+                    if not done:
+                        conn.unread(chunk)
+                        done = _stored(conn.reply())
+                else:
+                    done = False
+                result = done or self._release_read(conn, name, owner)
+            except BaseException:
+                conn.close()  # its stream may be mid-reply
+                raise
+            conn.idle_since = _monotonic()
+            idle.append(conn)
+            return result
+        except _ERRORS as exc:
+            self.unavailable(exc, "release")
 
-    def _release(self, conn: _Connection, name: str, owner: str) -> bool:
-        held = self._forget(name, owner, conn)
-        if held is not None and _stored(conn.exchange([DELETE_IF % (held.key, held.cas)])[0]):
-            return True  # the item with our CAS was there, live: our lease, now gone
-        # Unknown, or changed since we wrote it (EX) or gone (NF): read once to decide.
+    def _release_read(self, conn: _Connection, name: str, owner: str) -> bool:
+        """Release a lease we do not remember, or that changed since we wrote it (EX) or is
+        gone (NF): read once to decide, then delete by the CAS read."""
         mine = self._mine(conn, name, owner)
         if mine is None:
             return False
@@ -665,26 +793,26 @@ class MemcachedBackend(Backend):
         mine = self._mine(conn, name, owner)
         if mine is None:
             return None
-        acquired_ms = _ms(mine.acquired)
-        held = _Held(mine.key, mine.cas, b"", mine.token, mine.data["i"], acquired_ms)
+        held = (mine.key, mine.cas, b"", mine.token, mine.data["i"], _ms(mine.acquired))
         return self._rewrite(conn, server, name, owner, held, ttl)
 
     def _rewrite(
         self, conn: _Connection, server: _Server, name: str, owner: str, held: _Held, ttl: float
     ) -> Grant | None:
-        """Give our lease ``held`` a new expiry if its CAS is still ``held.cas`` (one trip).
+        """Give our lease ``held`` a new expiry if its CAS is still the one held (one trip).
         The item gets a new CAS, so the value now carries its token; we remember the CAS."""
+        key, cas, _, token, info, acquired_ms = held
         now = server.now()
         value = self._lease_value(
-            name, owner, held.info, b'"t":%d' % held.token, held.acquired_ms, _ms(now + ttl)
+            REWRITTEN_LEASE, _json(name), owner, info, token, acquired_ms, _ms(now + ttl)
         )
-        args = (held.key, len(value), _ttl_arg(ttl, now), held.cas, value)
-        reply = conn.exchange([REPLACE_IF % args])[0]
+        reply = conn.exchange([REPLACE_IF % (key, len(value), _ttl_arg(ttl, now), cas, value)])[0]
         if not _stored(reply):
             return None
         if conn.instance is not None:
-            self._remember(name, owner, held._replace(cas=_new_cas(reply), instance=conn.instance))
-        return Grant(held.token, _dt(now + ttl))
+            new_cas = _new_cas(reply)
+            self._remember(name, owner, (key, new_cas, conn.instance, token, info, acquired_ms))
+        return Grant(token, _dt(now + ttl))
 
     def inspect(self, name: str) -> LockInfo | None:
         live = [s for s in self._on(self._server(name), "inspect", self._slots, name) if s]
@@ -743,11 +871,12 @@ class MemcachedBackend(Backend):
         """Add every name's lease in one pipelined batch; the names held already are skipped."""
         now = server.now()
         acquired, expires, expiry = _ms(now), _ms(now + ttl), _ttl_arg(ttl, now)
-        part = b'"s":%d' % conn.started
         keys, adds = [], []
         for name in names:
-            key = self._lock_key(name)
-            value = self._lease_value(name, owner, owner_info, part, acquired, expires)
+            key, quoted = self._hot_name(name)
+            value = self._lease_value(
+                NEW_LEASE, quoted, owner, owner_info, conn.started, acquired, expires
+            )
             keys.append(key)
             adds.append(ADD % (key, len(value), expiry, value))
         grants: dict[str, Grant] = {}
@@ -757,8 +886,7 @@ class MemcachedBackend(Backend):
             cas = _new_cas(reply)
             token = _token(conn.started, cas)
             if conn.instance is not None:
-                held = _Held(key, cas, conn.instance, token, owner_info, acquired)
-                self._remember(name, owner, held)
+                self._remember(name, owner, (key, cas, conn.instance, token, owner_info, acquired))
             grants[name] = Grant(token, _dt(now + ttl))
         return grants
 
@@ -780,7 +908,7 @@ class MemcachedBackend(Backend):
             if held is None:
                 reads.append(self._key("lock", name))
             else:
-                deletes.append((held.key, held.cas, True))
+                deletes.append((held[0], held[1], True))
         while deletes or reads:
             replies = conn.exchange(
                 [DELETE_IF % (k, cas) for k, cas, _ in deletes] + [READ % k for k in reads]
