@@ -448,6 +448,140 @@ def test_claim_skips_busy_names(backend: MemcachedBackend) -> None:
     assert backend.inspect("row:2") is not None
 
 
+# -- reading replies: the hot path takes a reply as is only when it is exactly the one expected
+
+
+class Trickle:
+    """A socket whose ``recv`` returns at most ``size`` bytes: every reply split across reads."""
+
+    def __init__(self, sock: socket.socket, size: int) -> None:
+        self.sock, self.size = sock, size
+
+    def sendall(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self, size: int) -> bytes:
+        return self.sock.recv(min(size, self.size))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _pooled(backend: MemcachedBackend) -> _Connection:
+    backend.inspect("warm-up")  # opens the connection
+    (server,) = backend._servers.values()
+    (conn,) = server.idle
+    return conn
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_replies_split_across_reads_are_parsed(backend: MemcachedBackend, size: int) -> None:
+    """A reply in several TCP reads (one byte each, say) is never taken as a short reply."""
+    conn = _pooled(backend)
+    conn.sock = Trickle(conn.sock, size)  # type: ignore[assignment]
+    grant = backend.acquire("n", A, INFO, 30)  # the add's "HD c<cas>" in pieces
+    assert isinstance(grant, Grant) and grant.token is not None
+    busy = backend.acquire("n", B, INFO, 30)  # the probe's value, then "NS", in pieces
+    assert isinstance(busy, Busy) and busy.holder is not None and busy.holder.owner.pid == 1
+    assert busy.holder.token == grant.token
+    extended = backend.extend("n", A, 30)
+    assert extended is not None and extended.token == grant.token
+    assert backend.release("n", B) is False
+    assert backend.release("n", A) is True  # "HD" in pieces
+    assert backend.release("n", A) is False
+    assert backend.inspect("n") is None
+    assert (backend._servers[next(iter(backend._servers))].idle or [None])[0] is conn
+
+
+def test_a_lease_longer_than_the_first_read_is_read_in_full(backend: MemcachedBackend) -> None:
+    """The first recv of a reply asks for a few hundred bytes: a holder's lease with a large
+    owner info (metadata) comes in several reads, on a real socket."""
+    info = '{"host":"h","pid":1,"metadata":{"note":"%s"}}' % ("x" * 20_000)
+    grant = backend.acquire("n", A, info, 30)
+    assert isinstance(grant, Grant)
+    busy = backend.acquire("n", B, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holder is not None
+    assert busy.holder.owner.metadata == {"note": "x" * 20_000}
+    assert busy.holder.token == grant.token
+    assert backend.release("n", A) is True
+
+
+class Chatty(Trickle):
+    """A socket that receives ``extra`` after the next reply, as if the server had sent a
+    reply nobody asked for."""
+
+    def __init__(self, sock: socket.socket, extra: bytes) -> None:
+        super().__init__(sock, 65536)
+        self.extra = extra
+
+    def recv(self, size: int) -> bytes:
+        data, self.extra = self.sock.recv(size) + self.extra, b""
+        return data
+
+
+@pytest.mark.parametrize("extra", [b"HD\r\n", b"HD c1\r\n", b"EN\r\n", b"H"])
+def test_a_reply_nobody_asked_for_is_never_taken_for_the_next_one(
+    backend: MemcachedBackend, extra: bytes
+) -> None:
+    """Bytes after the expected reply are not this request's answer, nor the next's: the
+    next request on that connection fails (StoreUnavailable, the connection dropped) instead
+    of reading them as its own reply, and the one after works on a fresh connection."""
+    conn = _pooled(backend)
+    conn.sock = Chatty(conn.sock, extra)  # type: ignore[assignment]
+    grant = backend.acquire("n", A, INFO, 30)
+    assert isinstance(grant, Grant)
+    with pytest.raises(StoreUnavailable, match="unread bytes"):
+        backend.acquire("n", B, INFO, 30)  # never a Grant for "HD c1", never Busy for "NS"
+    assert isinstance(backend.acquire("n", B, INFO, 30), Busy)  # a fresh connection: A holds it
+    assert backend.release("n", A) is True
+
+
+def test_an_unexpected_reply_to_the_hot_path_is_parsed_not_guessed(
+    backend: MemcachedBackend,
+) -> None:
+    """The one-comparison fast paths take only "HD c<digits>" (add) and "HD" (delete): an
+    error line the server sends instead is parsed, and raised as StoreUnavailable."""
+    conn = _pooled(backend)
+
+    class Refusing(Trickle):  # as if the server had refused the command
+        def sendall(self, data: bytes) -> None:
+            pass
+
+        def recv(self, size: int) -> bytes:
+            return b"SERVER_ERROR out of memory storing object\r\n"
+
+    conn.sock = Refusing(conn.sock, 65536)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
+        backend.acquire("n", A, INFO, 30)
+    assert isinstance(backend.acquire("n", A, INFO, 30), Grant)  # a fresh connection
+    conn = _pooled(backend)
+    conn.sock = Refusing(conn.sock, 65536)  # type: ignore[assignment]
+    with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
+        backend.release("n", A)
+
+
+def test_a_connection_idle_for_a_moment_is_reused_without_a_poll(
+    backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection back in the pool for under a millisecond is not polled (no server
+    restarts that fast); one idle for longer is, so a restarted server's is replaced."""
+    conn = _pooled(backend)
+    polls: list[_Connection] = []
+    stale = _Connection.stale
+
+    def counted(c: _Connection) -> bool:
+        polls.append(c)
+        return stale(c)
+
+    monkeypatch.setattr(_Connection, "stale", counted)
+    conn.idle_since = time.monotonic()  # just checked in
+    assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
+    assert polls == []
+    conn.idle_since -= 1.0  # idle for a second
+    assert backend.release("n", A) is True
+    assert polls == [conn]
+
+
 # -- failures: unavailable is never busy -------------------------------------------------------
 
 

@@ -79,6 +79,10 @@ _fromtimestamp, _UTC = datetime.fromtimestamp, timezone.utc  # the hot path's, l
 _ceil, _monotonic = math.ceil, time.monotonic
 _KERNEL_TIMEOUTS = sys.platform.startswith("linux")  # see _Connection.__init__
 _FRESH = 0.001  # seconds a pooled connection is reused without polling it (see checkout)
+# Bytes asked of the first recv of a reply: a short reply or a lease read fits, and a buffer
+# this small comes from Python's small-object allocator (up to 512 bytes with its header) where
+# recv(65536) mallocs 64 KiB and shrinks it: a sixth of the recv's cost. More is read as needed.
+_FIRST_READ = 448
 _HELD_MAX = 4096  # leases whose CAS a backend remembers for one-round-trip release/extend
 
 # -- commands: %b is a key (prefixed, plain ASCII, ≤ 250 bytes); replies as noted -------------
@@ -221,7 +225,7 @@ class _Connection:
         except BlockingIOError:  # SO_SNDTIMEO expired
             raise TimeoutError(f"memcached did not take a command within {self.timeout}s") from None
         try:
-            chunk = sock.recv(65536)
+            chunk = sock.recv(_FIRST_READ)
         except BlockingIOError:  # SO_RCVTIMEO expired
             raise TimeoutError(f"memcached did not answer within {self.timeout}s") from None
         if not chunk:
@@ -532,6 +536,7 @@ class MemcachedBackend(Backend):
         self._hot_names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
         self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
         self._info = ("", b'""')  # the last owner_info and its JSON string literal
+        self._ttls: dict[float, tuple[int, int]] = {}  # ttl → (ms, memcached TTL): _ttl_parts
         _FORK_AWARE.add(self)
 
     def after_fork(self) -> None:
@@ -583,6 +588,14 @@ class MemcachedBackend(Backend):
                 self._hot_names = {}
             known = self._hot_names[name] = (self._key("lock", name), _json(name))
         return known
+
+    def _ttl_parts(self, ttl: float) -> tuple[int, int]:
+        """``ttl`` in ms, and memcached's TTL for it (relative; over 30 days, see _ttl_arg),
+        remembered for the few TTLs an application uses."""
+        if len(self._ttls) >= 64:
+            self._ttls = {}
+        parts = self._ttls[ttl] = (round(ttl * 1000), _ceil(ttl) + 1)
+        return parts
 
     def _server(self, name: str) -> _Server:
         if self._only is not None:
@@ -652,20 +665,21 @@ class MemcachedBackend(Backend):
     ) -> Grant | Busy:
         server = self._only or self._server(name)
         idle = server.idle
+        started = _monotonic()  # (for the pool, a little early: the safe side; and the clock)
         try:
             try:  # server.checkout() and checkin(), inline
                 conn = idle.pop()
-                if _monotonic() - conn.idle_since >= _FRESH and conn.stale():
+                if started - conn.idle_since >= _FRESH and conn.stale():
                     conn.close()
                     conn = server.checkout()
             except IndexError:  # the pool is empty
                 conn = server.checkout()
             try:
-                result = self._add(conn, server, name, owner, owner_info, ttl, limit)
+                result = self._add(conn, server, name, owner, owner_info, ttl, limit, started)
             except BaseException:
                 conn.close()  # its stream may be mid-reply
                 raise
-            conn.idle_since = _monotonic()
+            conn.idle_since = started
             idle.append(conn)
             return result
         except _ERRORS as exc:
@@ -673,33 +687,36 @@ class MemcachedBackend(Backend):
 
     def _add(
         self, conn: _Connection, server: _Server, name: str, owner: str, owner_info: str,
-        ttl: float, limit: int,
+        ttl: float, limit: int, started: float,
     ) -> Grant | Busy:  # fmt: skip
         """Add a lease in a free slot of ``name`` (one round trip; a semaphore reads its
-        slots first, a second), or Busy with the live leases found."""
-        live: list[_Lease] = []
+        slots first, a second), or Busy with the live leases found. ``started``: the local
+        monotonic time, a moment ago."""
         if limit == 1:  # a mutex: try the add at once
             key, quoted_name = self._hot_names.get(name) or self._hot_name(name)
+            live: Sequence[_Lease] = ()
         else:
+            live = []
             free = self._free_slots(conn, name, limit, live)
             if not free:
                 return _busy(live)
             key = random.choice(free)  # contenders spread over the free slots
             quoted_name = _json(name)
+            started = _monotonic()
         # _lease_value(), _ttl_arg(), _token(), _remember() and _dt(), inline:
-        now = server.clock_offset + _monotonic()  # server.now(): its clock was read (checkout)
-        acquired = round(now * 1000)
+        now = server.clock_offset + started  # server.now(): its clock was read (checkout)
+        acquired = int(now * 1000)
+        ttl_ms, expiry = self._ttls.get(ttl) or self._ttl_parts(ttl)
+        if expiry > _MONTH:
+            expiry = _ttl_arg(ttl, now)
         last, quoted_info = self._info
         if owner_info is not last:
             quoted_info = _json(owner_info)
             self._info = (owner_info, quoted_info)
         value = NEW_LEASE % (
             quoted_name, _quote(owner).encode("ascii"), quoted_info, conn.started, acquired,
-            round((now + ttl) * 1000),
+            acquired + ttl_ms,
         )  # fmt: skip
-        expiry = _ceil(ttl) + 1
-        if expiry > _MONTH:
-            expiry = _ttl_arg(ttl, now)
         chunk = conn.request(PROBE_ADD % (key, key, len(value), expiry, value))
         if (
             chunk[:4] == b"HD c"  # stored, and the probe missed silently: "HD c<cas>\r\n"
@@ -742,10 +759,11 @@ class MemcachedBackend(Backend):
         server = self._only or self._server(name)
         held = self._held.pop((name, owner), None)
         idle = server.idle
+        started = _monotonic()  # (for the pool, a little early: the safe side)
         try:
-            try:  # server.checkout() and checkin(), inline: the hot path
+            try:  # server.checkout() and checkin(), inline
                 conn = idle.pop()
-                if _monotonic() - conn.idle_since >= _FRESH and conn.stale():
+                if started - conn.idle_since >= _FRESH and conn.stale():
                     conn.close()
                     conn = server.checkout()
             except IndexError:  # the pool is empty
@@ -765,7 +783,7 @@ class MemcachedBackend(Backend):
             except BaseException:
                 conn.close()  # its stream may be mid-reply
                 raise
-            conn.idle_since = _monotonic()
+            conn.idle_since = started
             idle.append(conn)
             return result
         except _ERRORS as exc:
