@@ -199,16 +199,13 @@ class _Connection:
             raise TimeoutError(f"memcached did not take a command within {self.timeout}s") from None
 
     def _fill(self) -> None:
-        self._buf += self._recv()
-
-    def _recv(self) -> bytes:
         try:
             chunk = self.sock.recv(65536)
         except BlockingIOError:  # SO_RCVTIMEO expired
             raise TimeoutError(f"memcached did not answer within {self.timeout}s") from None
         if not chunk:
             raise ConnectionResetError("memcached closed the connection")
-        return chunk
+        self._buf += chunk
 
     def request(self, commands: bytes) -> bytes:
         """Send ``commands`` in one write (one round trip) and return what the first ``recv``
@@ -219,7 +216,7 @@ class _Connection:
         :meth:`reply`, so that no byte is skipped or read twice."""
         if self._buf:  # replies never read: they would be taken for this request's
             raise ProtocolError(f"{len(self._buf)} unread bytes before a request")
-        sock = self.sock  # _send() and _recv(), inline: the hot path
+        sock = self.sock  # _send() and _fill(), inline: the hot path
         try:
             sock.sendall(commands)
         except BlockingIOError:  # SO_SNDTIMEO expired
