@@ -473,6 +473,61 @@ def test_an_attempt_that_finds_the_lease_handed_to_it_is_a_grant_with_what_is_le
     assert b.release("n", second)
 
 
+_QUEUED_CHILD = """
+import sys, latchkey
+latchkey.connect(sys.argv[1]).lock("k", ttl="60s", wait="60s").acquire()
+"""
+
+
+def test_a_killed_waiting_process_is_passed_over_at_once(
+    pg_base: str, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """A real process dies while queued: the next release must not hand it the lease (that
+    would stall the name for the lease's 60 s) but give it to the live waiter behind it."""
+    url = f"{pg_base}?table={table}"
+    first, second = latchkey.connect(url), latchkey.connect(url)
+    try:
+        holder = first.lock("k", ttl="60s")
+        assert holder.acquire()
+        child = subprocess.Popen([sys.executable, "-c", _QUEUED_CHILD, url])
+        try:
+            eventually(lambda: _queued(sql, table) == 1, timeout=30, what="the child queued")
+            row = sql.execute(f'SELECT listener_key FROM "{table}_waiters"').fetchone()
+            assert row is not None
+            child_key = int(row[0])  # type: ignore[call-overload]
+        finally:
+            child.kill()
+            child.wait()
+        unsigned = child_key & 0xFFFF_FFFF_FFFF_FFFF
+
+        def child_key_held() -> bool:
+            found = sql.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
+                "AND classid = %s::bigint::oid AND objid = %s::bigint::oid",
+                (unsigned >> 32, unsigned & 0xFFFF_FFFF),
+            ).fetchone()
+            return bool(found and found[0])
+
+        eventually(lambda: not child_key_held(), what="the server ended the child's sessions")
+        assert _queued(sql, table) == 1  # the dead child's row is still in the queue
+        got: list[float] = []
+        waiter = second.lock("k", ttl="60s", wait="30s")
+        t = threading.Thread(target=lambda: got.append(time.monotonic()) if waiter.acquire()
+                             else None)  # fmt: skip
+        t.start()
+        eventually(lambda: _queued(sql, table) == 2, what="the live waiter queued")
+        released = time.monotonic()
+        assert holder.release()
+        t.join(40)
+        assert got and got[0] - released < 5  # handed over, not left to a 60 s lease
+        info = first.inspect("k")
+        assert info is not None and info.owner.pid == os.getpid()
+        waiter.release()
+    finally:
+        first.close()
+        second.close()
+
+
 def test_semaphore_waiters_are_not_queued(
     backend: PostgreSQLBackend, sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:
