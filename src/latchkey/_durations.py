@@ -21,8 +21,11 @@ def parse_duration(value: Duration, *, what: str = "duration") -> float:
     Negative, NaN and infinite values are rejected; use ``None`` (or ``"forever"`` via
     :func:`parse_wait`) for "no limit".
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
-        return float(value)  # the common case, fast
+    cls = value.__class__
+    if cls is float or cls is int:  # the common case, fast (bool is neither: refused below)
+        seconds = float(value)  # type: ignore[arg-type]
+        if 0 <= seconds < math.inf:
+            return seconds
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a duration, got {value!r}")
     if isinstance(value, timedelta):

@@ -277,11 +277,6 @@ class Lock:
     ) -> None:
         self.release()
 
-    def __del__(self) -> None:
-        renewer = getattr(self, "_renewer", None)
-        if renewer is not None:
-            renewer.stop()
-
     def __repr__(self) -> str:
         state = "lost" if self.lost else "held" if self.held else "free"
         token = f" token={self.token}" if self.token is not None else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from latchkey.errors import LatchkeyError, LockLost
@@ -30,10 +31,16 @@ class Renewable(Protocol):
     def _seconds_left(self) -> float: ...
 
 
+def _stopper(stop: threading.Event) -> Callable[[object], None]:
+    """A weakref callback that sets ``stop`` (and holds nothing else)."""
+    return lambda _ref: stop.set()
+
+
 class Renewer:
     def __init__(self, lease: Renewable, interval: float) -> None:
-        self._ref = weakref.ref(lease)
         self._stop = threading.Event()
+        # A lease collected while held (its object forgotten) stops its renewer at once.
+        self._ref = weakref.ref(lease, _stopper(self._stop))
         self._interval = interval
         self._thread = threading.Thread(
             target=self._run, name=f"latchkey-renew:{lease.name[:40]}", daemon=True
