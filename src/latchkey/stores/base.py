@@ -69,6 +69,22 @@ class Capabilities:
     """False where the store may drop live leases to free memory (memcached, Redis LRU)."""
 
 
+#: The database servers' own session locks (PostgreSQL advisory locks, MySQL GET_LOCK): held
+#: while one connection lives, no TTL or fencing, kept nowhere durable or listable; the server
+#: holds a blocked waiter and grants it the lock on release; batch claims and force-release.
+SESSION_LOCKS = Capabilities(
+    ttl=False,
+    fencing=False,
+    durable=False,
+    listing=False,
+    push=True,
+    blocking=True,
+    semaphores=False,
+    records=False,
+    session_tied=True,
+)
+
+
 class Waiter:
     """Waits for a hint that a name may have been released.
 

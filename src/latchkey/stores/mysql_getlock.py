@@ -52,7 +52,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, key_prefix
 from latchkey.errors import Unsupported
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import SESSION_LOCKS, Backend
 from latchkey.stores.mysql import DRIVER_ERRORS, connect_args, server_hung_up, utc
 
 #: What a granted (or still held) lock is: no token, no expiry. Immutable, so shared.
@@ -170,19 +170,7 @@ class GetLockBackend(Backend):
     """Session-tied GET_LOCK locks; see the module docstring for what it can't do."""
 
     scheme = "mysql+getlock"
-    capabilities = Capabilities(
-        ttl=False,
-        fencing=False,
-        durable=False,
-        listing=False,
-        push=True,
-        blocking=True,
-        semaphores=False,
-        claims=True,
-        records=False,
-        force_release=True,
-        session_tied=True,
-    )
+    capabilities = SESSION_LOCKS
     options: ClassVar[Mapping[str, Option]] = {
         "prefix": Option(
             getlock_prefix, "latchkey:", "prepended to each lock key (keys are server-wide)"

@@ -43,7 +43,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, key_prefix
 from latchkey.errors import Unsupported
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import SESSION_LOCKS, Backend
 from latchkey.stores.postgresql import (
     CONNECTION_OPTIONS,
     DRIVER_ERRORS,
@@ -166,18 +166,7 @@ class AdvisoryBackend(Backend):
     """Session-level advisory locks; see the module docstring for what it can't do."""
 
     scheme = "postgresql+advisory"
-    capabilities = Capabilities(
-        ttl=False,
-        fencing=False,
-        durable=False,
-        listing=False,
-        push=True,
-        blocking=True,
-        semaphores=False,
-        claims=True,
-        records=False,
-        session_tied=True,
-    )
+    capabilities = SESSION_LOCKS
     options: ClassVar[Mapping[str, Option]] = {
         "prefix": Option(key_prefix, "", "hashed with each name: separates applications"),
         **CONNECTION_OPTIONS,
