@@ -337,8 +337,9 @@ class _Server:
         for conn in idle:
             conn.close()
 
-    def checkout(self) -> _Connection:
-        """An idle connection that the server has not closed, or a new one.
+    def checkout(self, now: float) -> _Connection:
+        """An idle connection that the server has not closed, or a new one. ``now``: the
+        local monotonic time (the caller's, read once per call).
 
         A reuse polls the socket first (a system call, a tenth of a round trip): a server
         restarted since (tests restart memcached in a few milliseconds) closed it, and the
@@ -351,23 +352,23 @@ class _Server:
                 conn = self.idle.pop()
             except IndexError:
                 return self._open()
-            if _monotonic() - conn.idle_since < _FRESH or not conn.stale():
+            if now - conn.idle_since < _FRESH or not conn.stale():
                 return conn
             conn.close()  # the server restarted or dropped it: a fresh socket, not an error
 
-    def checkin(self, conn: _Connection) -> None:
-        conn.idle_since = _monotonic()
+    def checkin(self, conn: _Connection, now: float) -> None:
+        conn.idle_since = now
         self.idle.append(conn)
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[_Connection]:
-        conn = self.checkout()
+        conn = self.checkout(_monotonic())
         try:
             yield conn
         except BaseException:
             conn.close()  # its stream may be mid-reply
             raise
-        self.checkin(conn)
+        self.checkin(conn, _monotonic())
 
     def _open(self) -> _Connection:
         conn = _Connection(self.host, self.port, self.timeout)
@@ -548,13 +549,13 @@ class MemcachedBackend(Backend):
         """Run ``op(conn, …)`` on a pooled connection to ``server``; a socket or protocol
         error closes the connection (its stream may be mid-reply) and is StoreUnavailable."""
         try:
-            conn = server.checkout()
+            conn = server.checkout(_monotonic())
             try:
                 result = op(conn, *args, **kwargs)
             except BaseException:
                 conn.close()
                 raise
-            server.checkin(conn)
+            server.checkin(conn, _monotonic())
             return result
         except _ERRORS as exc:
             self.unavailable(exc, action)
@@ -655,29 +656,22 @@ class MemcachedBackend(Backend):
 
     # acquire and release are the hot path (a lock per use, uncontended: two round trips of
     # ~20 µs each, a few µs of Python around them), so they run _on() written out (without its
-    # *args), and acquire formats and parses a lease inline. The rest may take its time.
+    # *args, one clock read for the pool and the lease), and acquire formats and parses a lease
+    # inline. The rest may take its time.
 
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
         server = self._only or self._server(name)
-        idle = server.idle
         started = _monotonic()  # (for the pool, a little early: the safe side; and the clock)
         try:
-            try:  # server.checkout() and checkin(), inline
-                conn = idle.pop()
-                if started - conn.idle_since >= _FRESH and conn.stale():
-                    conn.close()
-                    conn = server.checkout()
-            except IndexError:  # the pool is empty
-                conn = server.checkout()
+            conn = server.checkout(started)
             try:
                 result = self._add(conn, server, name, owner, owner_info, ttl, limit, started)
             except BaseException:
                 conn.close()  # its stream may be mid-reply
                 raise
-            conn.idle_since = started
-            idle.append(conn)
+            server.checkin(conn, started)
             return result
         except _ERRORS as exc:
             self.unavailable(exc, "acquire")
@@ -755,16 +749,9 @@ class MemcachedBackend(Backend):
     def release(self, name: str, owner: str) -> bool:
         server = self._only or self._server(name)
         held = self._held.pop((name, owner), None)
-        idle = server.idle
         started = _monotonic()  # (for the pool, a little early: the safe side)
         try:
-            try:  # server.checkout() and checkin(), inline
-                conn = idle.pop()
-                if started - conn.idle_since >= _FRESH and conn.stale():
-                    conn.close()
-                    conn = server.checkout()
-            except IndexError:  # the pool is empty
-                conn = server.checkout()
+            conn = server.checkout(started)
             try:
                 # The CAS we remember is valid only on the server process that gave it.
                 if held is not None and held[2] == conn.instance:
@@ -780,8 +767,7 @@ class MemcachedBackend(Backend):
             except BaseException:
                 conn.close()  # its stream may be mid-reply
                 raise
-            conn.idle_since = started
-            idle.append(conn)
+            server.checkin(conn, started)
             return result
         except _ERRORS as exc:
             self.unavailable(exc, "release")
