@@ -528,6 +528,30 @@ def test_a_killed_waiting_process_is_passed_over_at_once(
         second.close()
 
 
+def test_a_queue_row_left_by_an_outage_gives_back_what_it_is_handed(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    a, b, _ = trio
+    first, stale = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", stale, INFO, 30, 1)
+    original = b._run
+
+    def dequeue_fails(action: str, statement: str, params: object) -> object:
+        if statement == "dequeue":
+            raise StoreUnavailable("the server went away just then")
+        return original(action, statement, params)  # type: ignore[arg-type]
+
+    b._run = dequeue_fails  # type: ignore[assignment,method-assign]
+    wb.finish(Grant(None, None))  # the wait ended (say it took the lock by retrying)…
+    wb.close()  # …and could not leave the queue
+    b._run = original  # type: ignore[method-assign]
+    assert _queued(sql, table) == 1
+    assert a.release("n", first)  # hands the lease to b's stale row: nobody waits for it
+    eventually(lambda: a.inspect("n") is None, timeout=5,
+               what="b's listener gave the orphaned lease back")  # fmt: skip
+
+
 def test_semaphore_waiters_are_not_queued(
     backend: PostgreSQLBackend, sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:

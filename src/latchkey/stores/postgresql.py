@@ -836,11 +836,13 @@ class PostgreSQLBackend(Backend):
             if not rows and not waiter.acquired:  # handed over as we gave up: pass it on
                 self.release(name, owner)
         except StoreUnavailable as exc:
-            # The wait's outcome stands. Should a release still hand our queue row the lease,
-            # the listener hears of a ticket nobody waits for, and _unclaimed releases it.
-            if not waiter.acquired and waiter.ticket is not None:
+            # The wait's outcome stands (and an outage is the caller's to see, not ours to
+            # report twice). Our queue row may outlive it: should a release hand it a lease —
+            # even after we took the lock by retrying and let it go — the listener hears of a
+            # ticket nobody waits for, and _unclaimed releases that lease.
+            if waiter.ticket is not None:
                 self._orphans[waiter.ticket] = (name, owner)
-            log.warning("%s", exc)
+            log.info("%s", exc)
 
     def _unclaimed(self, ticket: int) -> None:
         """A release handed a lease to a queue row whose waiter has left (see _leave_queue)."""
