@@ -28,7 +28,7 @@ from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
-from latchkey.stores.postgresql import SCHEMA_VERSION, PostgreSQLBackend
+from latchkey.stores.postgresql import SCHEMA_VERSION, PostgreSQLBackend, positional
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, free_port
@@ -195,6 +195,66 @@ def test_hostile_names_round_trip_as_utf8_bytes(
     assert [i.name for i in backend.list("nul\x00")] == ["nul\x00inside"]
 
 
+def test_positional_numbers_named_placeholders_in_first_use_order() -> None:
+    query, names = positional(b"SELECT %(b)s, %(a)s, %(b)s, '100%%'")
+    assert (query, names) == (b"SELECT $1, $2, $1, '100%'", ("b", "a"))
+    with pytest.raises(ValueError, match="placeholders"):
+        positional(b"SELECT %s")
+
+
+def test_statements_sent_through_libpq_keep_the_values_psycopg_gives(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    # acquire/release go through Session.run_prepared (binary results decoded by hand):
+    # the token and expiry must be what the row says, to the microsecond.
+    owner = _owner()
+    grant = backend.acquire("n\x00é'", owner, INFO, 12.5)
+    assert isinstance(grant, Grant)
+    row = sql.execute(f'SELECT token, expires_at, owner_info FROM "{table}" WHERE name = %s',
+                      ("n\x00é'".encode(),)).fetchone()  # fmt: skip
+    assert row is not None
+    assert (grant.token, grant.expires_at, row[2]) == (row[0], row[1], INFO)
+    assert grant.expires_at is not None and grant.expires_at.tzinfo is not None
+    assert backend.release("n\x00é'", owner) is True
+    assert backend.release("n\x00é'", owner) is False
+
+
+def test_statements_dropped_behind_the_store_are_prepared_again(
+    backend: PostgreSQLBackend, advisory: AdvisoryBackend
+) -> None:
+    for b in (backend, advisory):
+        owner = _owner()
+        assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
+        assert b.release("n", owner) is True
+        conn = b._session.conn
+        assert conn is not None and b._session.prepared  # what run_prepared made
+        conn.execute("DEALLOCATE ALL")  # as psycopg does after a DROP or ROLLBACK it ran
+        assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
+        assert b.release("n", owner) is True
+
+
+def test_tables_dropped_while_in_use_are_created_again(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    owner = _owner()
+    assert isinstance(backend.acquire("n", owner, INFO, 30), Grant)
+    for suffix in ("", "_fence", "_meta", "_records", "_waiters"):
+        sql.execute(f'DROP {"SEQUENCE" if suffix == "_fence" else "TABLE"} "{table}{suffix}"')
+    assert backend.release("n", owner) is False  # the lease went with its table
+    assert isinstance(backend.acquire("n", owner, INFO, 30), Grant)
+
+
+def test_a_failing_statement_through_libpq_is_unavailable_with_the_servers_reason(
+    backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    owner = _owner()
+    assert isinstance(backend.acquire("n", owner, INFO, 30), Grant)
+    sql.execute(f'ALTER TABLE "{table}" ADD CONSTRAINT no_x CHECK (owner <> \'x\')')
+    with pytest.raises(StoreUnavailable, match="no_x"):
+        backend.acquire("m", "x", INFO, 30)
+    assert isinstance(backend.acquire("m", owner, INFO, 30), Grant)  # the session still works
+
+
 def test_each_primitive_is_one_statement(backend: PostgreSQLBackend) -> None:
     backend.init()
     backend.now()  # connected, statements rendered
@@ -208,6 +268,15 @@ def test_each_primitive_is_one_statement(backend: PostgreSQLBackend) -> None:
         return original(query, *args, **kwargs)  # type: ignore[arg-type]
 
     conn.execute = counting  # type: ignore[method-assign]
+    # The uncontended acquire and release go through libpq directly (prepared statements).
+    session = backend._session
+    run_prepared = session.run_prepared
+
+    def counting_prepared(name: bytes, *args: object, **kwargs: object) -> object:
+        calls.append(name)
+        return run_prepared(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    session.run_prepared = counting_prepared  # type: ignore[method-assign,assignment]
     owner = _owner()
     steps = [
         lambda: backend.acquire("n", owner, INFO, 30),

@@ -33,13 +33,14 @@ import contextlib
 import logging
 import math
 import os
+import re
 import secrets
 import select
 import selectors
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
 import psycopg
@@ -56,6 +57,10 @@ log = logging.getLogger("latchkey")
 SCHEMA_VERSION = 1
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, OSError)
 TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+COMMAND_OK = psycopg.pq.ExecStatus.COMMAND_OK
+SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
+#: Where binary timestamptz values count microseconds from.
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
 # A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
 # several processes starting at once do not race in CREATE … IF NOT EXISTS.
@@ -339,6 +344,24 @@ STATEMENTS: Mapping[str, str] = {
     "record_update": RECORD_UPDATE, "record_delete": RECORD_DELETE, "now": NOW,
 }
 
+# The statements run through Session.run_prepared (the uncontended acquire+release), with
+# their parameters in $n order; the name (bytea) goes in binary, the rest as text.
+FAST_PARAMS: Mapping[str, tuple[str, ...]] = {
+    "acquire_mutex": ("name", "owner", "owner_info", "ttl"),
+    "release": ("name", "owner", "channel"),
+}
+
+
+def _int8(value: bytes | None) -> int:
+    """A binary bigint."""
+    assert value is not None
+    return int.from_bytes(value, "big", signed=True)
+
+
+def _timestamptz(value: bytes | None) -> datetime:
+    """A binary timestamptz: microseconds since 2000-01-01 UTC."""
+    return PG_EPOCH + timedelta(microseconds=_int8(value))
+
 
 # -- connections -------------------------------------------------------------------------------
 
@@ -603,6 +626,34 @@ def _input_waiting(fd: int) -> bool:
     return bool(select.select([fd], [], [], 0)[0])  # Windows: no poll()
 
 
+def positional(query: bytes) -> tuple[bytes, tuple[str, ...]]:
+    """A psycopg-style query (``%(name)s`` placeholders) as a server-side one (``$1`` …) and
+    the parameter names in ``$`` order; a name used twice is one parameter."""
+    names: list[str] = []
+
+    def number(match: re.Match[bytes]) -> bytes:
+        name = match.group(1).decode()
+        if name not in names:
+            names.append(name)
+        return b"$%d" % (names.index(name) + 1)
+
+    out = re.sub(rb"%\((\w+)\)s", number, query)
+    if b"%" in out.replace(b"%%", b""):
+        raise ValueError("only %(name)s placeholders and %% are supported")
+    return out.replace(b"%%", b"%"), tuple(names)
+
+
+def result_error(result: psycopg.pq.abc.PGresult) -> psycopg.Error:
+    """The psycopg exception for a failed result, chosen by its SQLSTATE as psycopg does."""
+    state = (result.error_field(SQLSTATE) or b"").decode("ascii", "replace")
+    message = (result.error_message or b"").decode("utf-8", "replace").strip()
+    try:
+        cls: type[psycopg.Error] = psycopg.errors.lookup(state)
+    except KeyError:
+        cls = psycopg.OperationalError  # no SQLSTATE: libpq's own (the connection failed)
+    return cls(message or "the statement failed")
+
+
 class Session:
     """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
 
@@ -612,7 +663,47 @@ class Session:
         self.conn: psycopg.Connection[Any] | None = None
         self.generation = 0
         """Counts connections opened: a session-tied lock is valid only in its generation."""
+        self.prepared: set[bytes] = set()
+        """Names of the statements :meth:`run_prepared` prepared on :attr:`conn`."""
         self._pid = os.getpid()
+
+    def run_prepared(
+        self, name: bytes, query: bytes, params: Sequence[bytes],
+        formats: Sequence[int] | None = None, binary: bool = False,
+    ) -> psycopg.pq.abc.PGresult:  # fmt: skip
+        """Run a hot statement through libpq directly (``psycopg.pq``): prepared once per
+        connection under ``name`` (server-side ``$n`` placeholders), then one
+        ``PQexecPrepared`` per call, parameters already encoded (text, or binary where
+        ``formats`` says 1), results as text or, with ``binary``, binary. Call under
+        :attr:`lock` with the connection open.
+
+        psycopg's ``Connection.execute`` builds a cursor, adapts every parameter and looks the
+        query up in its prepared-statement cache on each call: ~35 µs of CPU per
+        acquire+release pair on this path, more than the rest of latchkey. libpq's call
+        releases the GIL while it waits; like every statement of ours it is bounded by the
+        server's ``statement_timeout`` and by the connection's TCP keepalives and
+        ``tcp_user_timeout``, but Ctrl-C takes effect only when it returns, so only short
+        statements go this way (never a wait for a lock). Raises psycopg's exception for the
+        SQLSTATE, as ``execute`` would.
+        """
+        assert self.conn is not None
+        pgconn = self.conn.pgconn
+        for again in (True, False):
+            if name not in self.prepared:
+                prepared = pgconn.prepare(name, query)
+                if prepared.status != COMMAND_OK:
+                    raise result_error(prepared)
+                self.prepared.add(name)
+            result = pgconn.exec_prepared(name, params, formats, 1 if binary else 0)
+            status = result.status
+            if status in (TUPLES_OK, COMMAND_OK):
+                return result
+            if not (again and result.error_field(SQLSTATE) == b"26000"):
+                break
+            # Deallocated behind our back (psycopg sends DEALLOCATE ALL after a DROP or a
+            # ROLLBACK it ran on this connection): prepare it again, once.
+            self.prepared.discard(name)
+        raise result_error(result)
 
     def open(self) -> psycopg.Connection[Any]:
         """A new autocommit connection (not the shared one), for listeners."""
@@ -623,6 +714,7 @@ class Session:
         if not self.alive():
             self.conn = self.open()
             self.generation += 1
+            self.prepared = set()
         assert self.conn is not None
         return self.conn
 
@@ -666,6 +758,7 @@ class Session:
         if self.conn is not None:
             _FORKED_AWAY.append(self.conn)
         self.conn = None
+        self.prepared = set()
         self._pid = os.getpid()
 
     def close(self) -> None:
@@ -701,10 +794,14 @@ class PostgreSQLBackend(Backend):
         self.table: str = self.config["table"]
         self.schema: str | None = self.config["schema"]
         self.channel = self.table  # NOTIFY channel: payload is the name's UTF-8 bytes in hex
+        self._channel = self.channel.encode()
         self._session = Session(connection_params(url, self.config, "latchkey"))
         self._listener = Listener(self._session.open, self.channel, self._unclaimed)
         self._orphans: dict[int, tuple[str, str]] = {}  # ticket -> (name, owner)
         self._sql: dict[str, bytes] = {}
+        # The hot statements in server-side form, for Session.run_prepared: name -> (prepared
+        # statement name, query with $n placeholders).
+        self._pq: dict[str, tuple[bytes, bytes]] = {}
         forget_in_forked_child(self)
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -766,6 +863,34 @@ class PostgreSQLBackend(Backend):
                 session.broken()
                 self.unavailable(exc, action)
 
+    def _fast(
+        self, statement: str, values: Sequence[bytes], formats: Sequence[int], what: str,
+        name: str,
+    ) -> psycopg.pq.abc.PGresult:  # fmt: skip
+        """Run one of the hot statements (FAST_PARAMS) through libpq directly
+        (:meth:`Session.run_prepared`), binary results; ``values`` encoded in FAST_PARAMS
+        order. Creates the tables on first use, like :meth:`_run`."""
+        session = self._session
+        with session.lock:
+            try:
+                conn = session.connection()
+                if not self._pq:
+                    if not self._sql:
+                        self._sql = {k: self._render(conn, t) for k, t in STATEMENTS.items()}
+                    for key, names in FAST_PARAMS.items():
+                        query, order = positional(self._sql[key])
+                        assert order == names, (key, order)
+                        self._pq[key] = (b"latchkey_" + key.encode(), query)
+                prepared, query = self._pq[statement]
+                try:
+                    return session.run_prepared(prepared, query, values, formats, True)
+                except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+                    self._create(conn)  # first use: the tables are missing
+                    return session.run_prepared(prepared, query, values, formats, True)
+            except DRIVER_ERRORS as exc:
+                session.broken()
+                self.unavailable(exc, f"{what} {name!r}")
+
     def _forget_after_fork(self) -> None:
         self._session.forget_after_fork()
         self._listener.forget_after_fork()
@@ -775,14 +900,14 @@ class PostgreSQLBackend(Backend):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
-                  "ttl": float(ttl), "limit": limit}
+        key = name.encode()
         if limit == 1:
-            rows, _ = self._run(f"acquire {name!r}", "acquire_mutex", params)
-            if rows:
-                return Grant(token=rows[0][0], expires_at=utc(rows[0][1]))
-            rows, _ = self._run(f"acquire {name!r}", "holder",
-                                {"name": params["name"], "owner": owner})
+            values = (key, owner.encode(), owner_info.encode(), repr(float(ttl)).encode())
+            result = self._fast("acquire_mutex", values, (1, 0, 0, 0), "acquire", name)
+            if result.ntuples:
+                return Grant(token=_int8(result.get_value(0, 0)),
+                             expires_at=_timestamptz(result.get_value(0, 1)))  # fmt: skip
+            rows, _ = self._run(f"acquire {name!r}", "holder", {"name": key, "owner": owner})
             if not rows:
                 return Busy(holders=0)  # released in between: the core retries at once
             token, info, acquired, expires, left, mine = rows[0]
@@ -790,6 +915,8 @@ class PostgreSQLBackend(Backend):
                 return Grant(token=token, expires_at=utc(expires), remaining=max(0.0, left))
             return Busy(holders=1, holder=holder(token, info, acquired, expires),
                         retry_after=max(0.0, left))
+        params = {"name": key, "owner": owner, "owner_info": owner_info, "ttl": float(ttl),
+                  "limit": limit}
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
         token, expires, live, h_token, h_info, h_acquired, h_expires, left = rows[0]
         if token is not None:
@@ -799,9 +926,9 @@ class PostgreSQLBackend(Backend):
                     retry_after=max(0.0, left) if left is not None else None)
 
     def release(self, name: str, owner: str) -> bool:
-        params = {"name": name.encode(), "owner": owner, "channel": self.channel}
-        rows, _ = self._run(f"release {name!r}", "release", params)
-        return bool(rows and rows[0][0])
+        result = self._fast("release", (name.encode(), owner.encode(), self._channel),
+                            (1, 0, 0), "release", name)  # fmt: skip
+        return bool(result.ntuples) and result.get_value(0, 0) == b"\x01"
 
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
