@@ -183,6 +183,26 @@ def test_hostile_names_round_trip(backend: MySQLBackend, hostile: str) -> None:
     assert backend.inspect(hostile) is None
 
 
+def test_names_and_owners_are_escaped_for_the_sessions_sql_mode(backend: MySQLBackend) -> None:
+    """The hot path fills values into its EXECUTE text itself (Connection.escape): with
+    NO_BACKSLASH_ESCAPES a backslash is a plain character and only quotes are doubled."""
+    for mode in ("STRICT_ALL_TABLES", "STRICT_ALL_TABLES,NO_BACKSLASH_ESCAPES"):
+        backend._drop()
+        backend.init()  # a new connection, set as a server whose sql_mode is ``mode`` would
+        assert backend._cur is not None
+        backend._cur.execute("SET SESSION sql_mode = %s", (mode,))
+        for name in HOSTILE_NAMES:
+            owner = f"{_owner()[:30]}\\'"  # ours are hex, but the path must not care
+            info = '{"host": "it\'s \\\\ h", "pid": 1}'
+            grant = backend.acquire(name, owner, info, 30)
+            assert isinstance(grant, Grant), (mode, name)
+            found = backend.inspect(name)
+            assert found is not None and found.name == name
+            assert found.holders[0].owner.host == "it's \\ h"
+            assert backend.release(name, owner) is True, (mode, name)
+            assert backend.inspect(name) is None
+
+
 def test_lock_wait_timeout_is_a_lost_race_not_an_error(base: str) -> None:
     """A row locked by a stalled transaction: acquire gives up as Busy(0) within the
     session's innodb_lock_wait_timeout (half the store timeout), never StoreUnavailable."""
@@ -285,6 +305,7 @@ def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
     accepts those statements too, so they are checked here."""
     backend.init()
     backend._sql = dict(backend._base_sql)  # what _cursor() sets up for a MySQL server
+    backend._prepared = False
     first, second = _owner(), _owner()
     grant = backend.acquire("text", first, INFO, 30)
     assert isinstance(grant, Grant) and grant.token is not None

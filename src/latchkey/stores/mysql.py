@@ -223,6 +223,12 @@ EXECUTE_ACQUIRE = (
 )
 # In: name, owner.
 EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
+# The same two, filled in by the store itself (str %) with values the connection escaped
+# (Connection.escape, which follows the server's NO_BACKSLASH_ESCAPES), so PyMySQL's
+# per-call argument handling is skipped: in order name, owner, owner_info, ttl_us (an int),
+# owner; and name, owner.
+EXECUTE_ACQUIRE_FILLED = "EXECUTE latchkey_acquire USING %s, %s, %s, %d, %s"
+EXECUTE_RELEASE_FILLED = "EXECUTE latchkey_release USING %s, %s"
 
 
 def connect_args(backend: Backend) -> dict[str, Any]:
@@ -263,6 +269,16 @@ def server_hung_up(conn: Any) -> bool:
     return bool(readable)
 
 
+def _poller(conn: Any) -> Any:
+    """server_hung_up for this one connection, as a poll() object made once (a third of the
+    cost of select() on every call); server_hung_up itself where poll() is missing."""
+    if not hasattr(select, "poll"):
+        return server_hung_up
+    poller = select.poll()
+    poller.register(conn._sock, select.POLLIN)
+    return lambda _conn: bool(poller.poll(0))
+
+
 def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
@@ -289,6 +305,12 @@ class MySQLBackend(Backend):
         self._cur: Any | None = None  # one cursor per connection, reused by every call
         self._pid = 0
         self._mutex = threading.Lock()
+        # MariaDB, per connection: acquire and release are EXECUTEs of prepared statements,
+        # sent as text the store fills in (the hot path); escaped owner JSON, which repeats
+        # (how to escape depends on the session's sql_mode, which the store never changes).
+        self._prepared = False
+        self._literals: dict[str, str] = {}
+        self._hung_up: Any = server_hung_up  # conn -> bool; a poll() of its socket if we can
 
     # -- connection --------------------------------------------------------------------------
 
@@ -297,7 +319,7 @@ class MySQLBackend(Backend):
         server closed the idle one (restart, idle timeout, KILL). Tables are created and the
         hot statements prepared on each new one."""
         if self._conn is not None and self._pid == os.getpid():
-            if not server_hung_up(self._conn):
+            if not self._hung_up(self._conn):
                 return self._cur
             self._drop()
         self._conn = self._cur = None  # after fork: the parent's socket is not ours to use
@@ -316,6 +338,8 @@ class MySQLBackend(Backend):
         self._sql = dict(self._base_sql)
         if mariadb:
             self._sql.update(acquire=EXECUTE_ACQUIRE, release=EXECUTE_RELEASE)
+        self._prepared, self._literals = mariadb, {}
+        self._hung_up = _poller(conn)
         self._conn, self._cur, self._pid = conn, cur, os.getpid()
         return cur
 
@@ -364,11 +388,14 @@ class MySQLBackend(Backend):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        params = {
-            "name": name.encode(), "owner": owner, "info": owner_info,
-            "ttl_us": _us(ttl), "limit": limit,
-        }
-        rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
+        if limit == 1 and self._prepared:
+            rows = self._acquire_prepared(name, owner, owner_info, ttl)
+        else:
+            params = {
+                "name": name.encode(), "owner": owner, "info": owner_info,
+                "ttl_us": _us(ttl), "limit": limit,
+            }
+            rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
         if rows is None:
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
@@ -381,7 +408,49 @@ class MySQLBackend(Backend):
         holder = Holder(int(token), Owner.from_json(info), _datetime(acquired), _datetime(expires))
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
 
+    def _acquire_prepared(
+        self, name: str, owner: str, owner_info: str, ttl: float
+    ) -> list[tuple[Any, ...]] | None:
+        """MariaDB's mutex acquire: EXECUTE of the prepared upsert … RETURNING, filled in
+        here (EXECUTE_ACQUIRE_FILLED); rows as :meth:`_contended` gives them."""
+        with self._mutex:
+            try:
+                cur = self._cursor()
+                if self._prepared:  # (a reconnect found a MySQL server: the general path)
+                    conn: Any = self._conn
+                    literal = self._literals.get(owner_info)
+                    if literal is None:
+                        if len(self._literals) >= 64:
+                            self._literals.clear()
+                        literal = self._literals[owner_info] = conn.escape(owner_info)
+                    mine = conn.escape(owner)
+                    query = EXECUTE_ACQUIRE_FILLED % (
+                        conn.escape(name.encode()), mine, literal, _us(ttl), mine)
+                    try:
+                        cur.execute(query)
+                    except pymysql.err.OperationalError as exc:
+                        if exc.args[0] not in CONTENTION:
+                            raise
+                        return None
+                    return cur.fetchall()  # type: ignore[no-any-return]
+            except DRIVER_ERRORS as exc:
+                self._drop()
+                self.unavailable(exc, "acquire")
+        params = {"name": name.encode(), "owner": owner, "info": owner_info, "ttl_us": _us(ttl)}
+        return self._contended("acquire", "acquire", params)
+
     def release(self, name: str, owner: str) -> bool:
+        with self._mutex:
+            try:
+                cur = self._cursor()
+                if self._prepared:  # MariaDB: EXECUTE, filled in here; the row count tells
+                    conn: Any = self._conn
+                    query = EXECUTE_RELEASE_FILLED % (conn.escape(name.encode()),
+                                                      conn.escape(owner))  # fmt: skip
+                    return bool(cur.execute(query) > 0)
+            except DRIVER_ERRORS as exc:
+                self._drop()
+                self.unavailable(exc, "release")
         return self._call("release", "release", (name.encode(), owner))[1] > 0
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
