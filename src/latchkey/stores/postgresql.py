@@ -665,6 +665,7 @@ class Session:
         """Counts connections opened: a session-tied lock is valid only in its generation."""
         self.prepared: set[bytes] = set()
         """Names of the statements :meth:`run_prepared` prepared on :attr:`conn`."""
+        self._poller: Any = None  # a poll() object on conn's socket, made once per connection
         self._pid = os.getpid()
 
     def run_prepared(
@@ -715,6 +716,10 @@ class Session:
             self.conn = self.open()
             self.generation += 1
             self.prepared = set()
+            self._poller = None
+            if hasattr(select, "poll"):  # (Windows: _input_waiting's select() every time)
+                self._poller = select.poll()
+                self._poller.register(self.conn.pgconn.socket, select.POLLIN)
         assert self.conn is not None
         return self.conn
 
@@ -730,6 +735,8 @@ class Session:
         conn = self.conn
         if conn is None or conn.closed:
             return False
+        if self._poller is not None and not self._poller.poll(0):
+            return True  # nothing to read: the usual case, one syscall
         pgconn = conn.pgconn
         for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
             if pgconn.status != psycopg.pq.ConnStatus.OK:
@@ -759,6 +766,7 @@ class Session:
             _FORKED_AWAY.append(self.conn)
         self.conn = None
         self.prepared = set()
+        self._poller = None
         self._pid = os.getpid()
 
     def close(self) -> None:
