@@ -347,6 +347,51 @@ register(
 )
 
 
+# -- the durable floor: one durable commit, then an in-memory wake-up ---------------------------
+# Any hand-off that a crash cannot undo must make the new holder durable (one WAL flush)
+# before the waiter may go on. This is the least such a hand-off can cost on a server: the
+# waiter blocks in pg_advisory_lock; release commits a one-row write (synchronous_commit on)
+# and only then unlocks, in one round trip. Not a usable lock (a reference, not a peer): it
+# measures what a flush adds to the raw advisory hand-off on this disk.
+
+# Input, spliced in as an int by str.format (``:d``): the name's 64-bit key. One simple-query
+# message, so one round trip: the durable write (as a hand-over records the new holder),
+# COMMIT (flushed), and only then the unlock that wakes the waiter.
+PG_FLOOR_RELEASE = """BEGIN;
+INSERT INTO bench_floor (key, handoffs) VALUES ({key:d}, 1)
+ON CONFLICT (key) DO UPDATE SET handoffs = bench_floor.handoffs + 1;
+COMMIT;
+SELECT pg_advisory_unlock({key:d})"""
+PG_FLOOR_CREATE = """CREATE TABLE IF NOT EXISTS bench_floor (
+    key bigint PRIMARY KEY, handoffs bigint NOT NULL)"""
+
+
+class RawPGFloorHandle(RawPGHandle):
+    def release(self) -> None:
+        self.s.conn.execute(PG_FLOOR_RELEASE.format(key=key64(self.name)), prepare=False)
+
+
+class RawPGFloor(RawPG):
+    def __init__(self, url: str) -> None:
+        super().__init__(url, advisory=True)
+        self.conn.execute(PG_FLOOR_CREATE)
+
+    def make(self, name: str) -> Handle:
+        return RawPGFloorHandle(self, name)
+
+
+register(
+    Spec(
+        "postgresql/raw-durable-floor",
+        "postgresql",
+        "raw floor: durable one-row commit, then pg_advisory_unlock wakes the waiter",
+        "raw",
+        lambda env: RawPGFloor(env["postgresql"]),
+        frozenset("B"),
+    )
+)
+
+
 # -- latchkey's own SQL, sent raw ---------------------------------------------------------------
 # "The raw statements it is made of" (issue 3): latchkey's acquire and release statements for
 # its lease table, rendered by latchkey and sent straight through the same driver with the same
@@ -473,6 +518,100 @@ register(
     )
 )
 
+
+# The same statements sent the way latchkey sends them (PostgreSQL: prepared once and run
+# through libpq directly, psycopg.pq; MariaDB: the EXECUTE text filled in with
+# Connection.escape). latchkey / these = the library's own cost over the cheapest use of the
+# same driver; the rows above are how a user of the driver would write them.
+
+
+class RawPGSameSQLPQ(RawPGSameSQL):
+    def __init__(self, url: str) -> None:
+        from latchkey.stores.postgresql import positional
+
+        super().__init__(url)
+        pg = self.conn.pgconn
+        self.pg = pg
+        for stmt, text in ((b"acq", self.acquire_sql), (b"rel", self.release_sql)):
+            if pg.prepare(stmt, positional(text)[0]).status != 1:  # COMMAND_OK
+                raise RuntimeError(pg.error_message)
+
+    def take(self, name: str, owner: str) -> bool:
+        values = [name.encode(), owner.encode(), self.info.encode(), b"30.0"]
+        return bool(self.pg.exec_prepared(b"acq", values, [1, 0, 0, 0], 1).ntuples)
+
+    def give_back(self, name: str, owner: str) -> None:
+        values = [name.encode(), owner.encode(), self.channel.encode()]
+        self.pg.exec_prepared(b"rel", values, [1, 0, 0], 1)
+
+
+class RawPGAdvisoryPQHandle(RawPGHandle):
+    def acquire(self, timeout: float) -> bool:
+        pg = self.s.conn.pgconn
+        return pg.exec_prepared(b"lock", [b"%d" % key64(self.name)]).status == 2  # TUPLES_OK
+
+    def release(self) -> None:
+        self.s.conn.pgconn.exec_prepared(b"unlock", [b"%d" % key64(self.name)])
+
+
+class RawPGAdvisoryPQ(RawPG):
+    def __init__(self, url: str) -> None:
+        super().__init__(url, advisory=True)
+        pg = self.conn.pgconn
+        pg.prepare(b"lock", b"SELECT pg_advisory_lock($1::bigint)")
+        pg.prepare(b"unlock", b"SELECT pg_advisory_unlock($1::bigint)")
+
+    def make(self, name: str) -> Handle:
+        return RawPGAdvisoryPQHandle(self, name)
+
+
+class RawMySameSQLFilled(RawMySameSQL):
+    def take(self, name: str, owner: str) -> bool:
+        from latchkey.stores import mysql
+
+        e = self.conn.escape
+        self.cur.execute(mysql.EXECUTE_ACQUIRE_FILLED % (
+            e(name.encode()), e(owner), e(self.info), 30_000_000, e(owner)))  # fmt: skip
+        rows = self.cur.fetchall()
+        return bool(rows) and str(rows[0][0]).startswith("1")
+
+    def give_back(self, name: str, owner: str) -> None:
+        from latchkey.stores import mysql
+
+        e = self.conn.escape
+        self.cur.execute(mysql.EXECUTE_RELEASE_FILLED % (e(name.encode()), e(owner)))
+
+
+register(
+    Spec(
+        "postgresql/raw-same-sql-pq",
+        "postgresql",
+        "raw: latchkey's own INSERT … ON CONFLICT / DELETE via psycopg.pq, as latchkey sends it",
+        "raw",
+        lambda env: RawPGSameSQLPQ(env["postgresql"]),
+        frozenset("A"),
+    )
+)
+register(
+    Spec(
+        "postgresql/raw-advisory-pq",
+        "postgresql",
+        "raw pg_advisory_lock / unlock via psycopg.pq, as latchkey sends it",
+        "raw",
+        lambda env: RawPGAdvisoryPQ(env["postgresql"]),
+        frozenset("A"),
+    )
+)
+register(
+    Spec(
+        "mysql/raw-same-sql-filled",
+        "mysql",
+        "raw: latchkey's own EXECUTEs, text filled in with Connection.escape as latchkey does",
+        "raw",
+        lambda env: RawMySameSQLFilled(env["mysql"]),
+        frozenset("A"),
+    )
+)
 
 # -- MariaDB: INSERT IGNORE / DELETE, and GET_LOCK ----------------------------------------------
 
