@@ -520,9 +520,9 @@ register(
 
 
 # The same statements sent the way latchkey sends them (PostgreSQL: prepared once and run
-# through libpq directly, psycopg.pq; MariaDB: the EXECUTE text filled in with
-# Connection.escape). latchkey / these = the library's own cost over the cheapest use of the
-# same driver; the rows above are how a user of the driver would write them.
+# through libpq directly, psycopg.pq; MariaDB: the EXECUTEs with positional parameters).
+# latchkey / these = the library's own cost over the cheapest use of the same driver; the rows
+# above are how a user of the driver would write them.
 
 
 class RawPGSameSQLPQ(RawPGSameSQL):
@@ -565,21 +565,17 @@ class RawPGAdvisoryPQ(RawPG):
         return RawPGAdvisoryPQHandle(self, name)
 
 
-class RawMySameSQLFilled(RawMySameSQL):
+class RawMySameSQLArgs(RawMySameSQL):
     def take(self, name: str, owner: str) -> bool:
         from latchkey.stores import mysql
 
-        e = self.conn.escape
-        self.cur.execute(mysql.EXECUTE_ACQUIRE_FILLED % (
-            e(name.encode()), e(owner), e(self.info), 30_000_000, e(owner)))  # fmt: skip
+        args = (name.encode(), owner, self.info, 30_000_000, owner)
+        self.cur.execute(mysql.EXECUTE_ACQUIRE_ARGS, args)
         rows = self.cur.fetchall()
         return bool(rows) and str(rows[0][0]).startswith("1")
 
     def give_back(self, name: str, owner: str) -> None:
-        from latchkey.stores import mysql
-
-        e = self.conn.escape
-        self.cur.execute(mysql.EXECUTE_RELEASE_FILLED % (e(name.encode()), e(owner)))
+        self.cur.execute("EXECUTE latchkey_release USING %s, %s", (name.encode(), owner))
 
 
 register(
@@ -604,11 +600,11 @@ register(
 )
 register(
     Spec(
-        "mysql/raw-same-sql-filled",
+        "mysql/raw-same-sql-args",
         "mysql",
-        "raw: latchkey's own EXECUTEs, text filled in with Connection.escape as latchkey does",
+        "raw: latchkey's own EXECUTEs with positional parameters, as latchkey sends them",
         "raw",
-        lambda env: RawMySameSQLFilled(env["mysql"]),
+        lambda env: RawMySameSQLArgs(env["mysql"]),
         frozenset("A"),
     )
 )

@@ -184,8 +184,9 @@ def test_hostile_names_round_trip(backend: MySQLBackend, hostile: str) -> None:
 
 
 def test_names_and_owners_are_escaped_for_the_sessions_sql_mode(backend: MySQLBackend) -> None:
-    """The hot path fills values into its EXECUTE text itself (Connection.escape): with
-    NO_BACKSLASH_ESCAPES a backslash is a plain character and only quotes are doubled."""
+    """PyMySQL escapes parameters on the client: with NO_BACKSLASH_ESCAPES a backslash is a
+    plain character and only quotes are doubled. Every statement, the hot EXECUTEs included,
+    must follow the session's mode."""
     for mode in ("STRICT_ALL_TABLES", "STRICT_ALL_TABLES,NO_BACKSLASH_ESCAPES"):
         backend._drop()
         backend.init()  # a new connection, set as a server whose sql_mode is ``mode`` would
