@@ -306,7 +306,6 @@ def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
     accepts those statements too, so they are checked here."""
     backend.init()
     backend._sql = dict(backend._base_sql)  # what _cursor() sets up for a MySQL server
-    backend._prepared = False
     first, second = _owner(), _owner()
     grant = backend.acquire("text", first, INFO, 30)
     assert isinstance(grant, Grant) and grant.token is not None

@@ -223,8 +223,8 @@ EXECUTE_ACQUIRE = (
 )
 # In: name, owner.
 EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
-# EXECUTE_ACQUIRE with positional parameters, for the hot path (a tuple is escaped with less
-# work than a dict). In: name, owner, info, ttl_us, owner.
+# EXECUTE_ACQUIRE with positional parameters, once the connection is known to be MariaDB's
+# (a tuple is escaped with less work than a dict). In: name, owner, info, ttl_us, owner.
 EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
 
 
@@ -302,8 +302,6 @@ class MySQLBackend(Backend):
         self._cur: Any | None = None  # one cursor per connection, reused by every call
         self._pid = 0
         self._mutex = threading.Lock()
-        # MariaDB (per connection): acquire and release are EXECUTEs of prepared statements.
-        self._prepared = False
         self._hung_up: Any = server_hung_up  # conn -> bool; a poll() of its socket if we can
 
     # -- connection --------------------------------------------------------------------------
@@ -331,8 +329,8 @@ class MySQLBackend(Backend):
             raise
         self._sql = dict(self._base_sql)
         if mariadb:
-            self._sql.update(acquire=EXECUTE_ACQUIRE, release=EXECUTE_RELEASE)
-        self._prepared = mariadb
+            self._sql.update(acquire=EXECUTE_ACQUIRE, acquire_args=EXECUTE_ACQUIRE_ARGS,
+                             release=EXECUTE_RELEASE)  # fmt: skip
         self._hung_up = _poller(conn)
         self._conn, self._cur, self._pid = conn, cur, os.getpid()
         return cur
@@ -382,8 +380,9 @@ class MySQLBackend(Backend):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        if limit == 1 and self._prepared:
-            rows = self._acquire_prepared(name, owner, owner_info, ttl)
+        if limit == 1 and "acquire_args" in self._sql:  # MariaDB, once connected
+            args = (name.encode(), owner, owner_info, _us(ttl), owner)  # cheaper than a dict
+            rows = self._contended("acquire", "acquire_args", args)
         else:
             params = {
                 "name": name.encode(), "owner": owner, "info": owner_info,
@@ -402,39 +401,7 @@ class MySQLBackend(Backend):
         holder = Holder(int(token), Owner.from_json(info), _datetime(acquired), _datetime(expires))
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
 
-    def _acquire_prepared(
-        self, name: str, owner: str, owner_info: str, ttl: float
-    ) -> list[tuple[Any, ...]] | None:
-        """MariaDB's mutex acquire, the hot path: the EXECUTE of the prepared upsert …
-        RETURNING with positional parameters, its one result set read directly (no
-        multi-result loop). Rows as :meth:`_contended` gives them."""
-        with self._mutex:
-            try:
-                cur = self._cursor()
-                if self._prepared:  # (a reconnect found a MySQL server: the general path)
-                    args = (name.encode(), owner, owner_info, _us(ttl), owner)
-                    try:
-                        cur.execute(EXECUTE_ACQUIRE_ARGS, args)
-                    except pymysql.err.OperationalError as exc:
-                        if exc.args[0] not in CONTENTION:
-                            raise
-                        return None
-                    return cur.fetchall()  # type: ignore[no-any-return]
-            except DRIVER_ERRORS as exc:
-                self._drop()
-                self.unavailable(exc, "acquire")
-        params = {"name": name.encode(), "owner": owner, "info": owner_info, "ttl_us": _us(ttl)}
-        return self._contended("acquire", "acquire", params)
-
     def release(self, name: str, owner: str) -> bool:
-        with self._mutex:
-            try:
-                cur = self._cursor()
-                if self._prepared:  # MariaDB: the EXECUTE's row count is the answer
-                    return bool(cur.execute(EXECUTE_RELEASE, (name.encode(), owner)) > 0)
-            except DRIVER_ERRORS as exc:
-                self._drop()
-                self.unavailable(exc, "release")
         return self._call("release", "release", (name.encode(), owner))[1] > 0
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
