@@ -547,15 +547,18 @@ class MemcachedBackend(Backend):
         *args: P.args, **kwargs: P.kwargs,
     ) -> T:  # fmt: skip
         """Run ``op(conn, …)`` on a pooled connection to ``server``; a socket or protocol
-        error closes the connection (its stream may be mid-reply) and is StoreUnavailable."""
+        error closes the connection (its stream may be mid-reply) and is StoreUnavailable.
+        One clock read: the connection goes back to the pool stamped with the time it was
+        taken (a little early: the safe side for checkout's no-poll window)."""
+        now = _monotonic()
         try:
-            conn = server.checkout(_monotonic())
+            conn = server.checkout(now)
             try:
                 result = op(conn, *args, **kwargs)
             except BaseException:
                 conn.close()
                 raise
-            server.checkin(conn, _monotonic())
+            server.checkin(conn, now)
             return result
         except _ERRORS as exc:
             self.unavailable(exc, action)
@@ -663,26 +666,15 @@ class MemcachedBackend(Backend):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
         server = self._only or self._server(name)
-        started = _monotonic()  # (for the pool, a little early: the safe side; and the clock)
-        try:
-            conn = server.checkout(started)
-            try:
-                result = self._add(conn, server, name, owner, owner_info, ttl, limit, started)
-            except BaseException:
-                conn.close()  # its stream may be mid-reply
-                raise
-            server.checkin(conn, started)
-            return result
-        except _ERRORS as exc:
-            self.unavailable(exc, "acquire")
+        return self._on(server, "acquire", self._add, server, name, owner, owner_info, ttl, limit)
 
     def _add(
         self, conn: _Connection, server: _Server, name: str, owner: str, owner_info: str,
-        ttl: float, limit: int, started: float,
+        ttl: float, limit: int,
     ) -> Grant | Busy:  # fmt: skip
         """Add a lease in a free slot of ``name`` (one round trip; a semaphore reads its
-        slots first, a second), or Busy with the live leases found. ``started``: the local
-        monotonic time, a moment ago."""
+        slots first, a second), or Busy with the live leases found."""
+        started = _monotonic()
         if limit == 1:  # a mutex: try the add at once
             key, quoted_name = self._hot_names.get(name) or self._hot_name(name)
             live: Sequence[_Lease] = ()
@@ -749,28 +741,22 @@ class MemcachedBackend(Backend):
     def release(self, name: str, owner: str) -> bool:
         server = self._only or self._server(name)
         held = self._held.pop((name, owner), None)
-        started = _monotonic()  # (for the pool, a little early: the safe side)
-        try:
-            conn = server.checkout(started)
-            try:
-                # The CAS we remember is valid only on the server process that gave it.
-                if held is not None and held[2] == conn.instance:
-                    chunk = conn.request(DELETE_IF % (held[0], held[1]))
-                    # HD: the item with our CAS was there, live: our lease, now gone.
-                    done = chunk == b"HD\r\n"
-                    if not done:
-                        conn.unread(chunk)
-                        done = _stored(conn.reply())
-                else:
-                    done = False
-                result = done or self._release_read(conn, name, owner)
-            except BaseException:
-                conn.close()  # its stream may be mid-reply
-                raise
-            server.checkin(conn, started)
-            return result
-        except _ERRORS as exc:
-            self.unavailable(exc, "release")
+        return self._on(server, "release", self._delete, name, owner, held)
+
+    def _delete(
+        self, conn: _Connection, name: str, owner: str, held: _Held | None
+    ) -> bool:
+        """Release by the CAS we remember (``held``) in one round trip, else by reading."""
+        # The CAS we remember is valid only on the server process that gave it.
+        if held is not None and held[2] == conn.instance:
+            chunk = conn.request(DELETE_IF % (held[0], held[1]))
+            # HD: the item with our CAS was there, live: our lease, now gone.
+            if chunk == b"HD\r\n":
+                return True
+            conn.unread(chunk)
+            if _stored(conn.reply()):
+                return True
+        return self._release_read(conn, name, owner)
 
     def _release_read(self, conn: _Connection, name: str, owner: str) -> bool:
         """Release a lease we do not remember, or that changed since we wrote it (EX) or is
