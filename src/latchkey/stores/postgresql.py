@@ -829,6 +829,15 @@ class PostgreSQLBackend(Backend):
             expires_idx=sql.Identifier(f"{self.table}_expires"),
         ).as_bytes(conn)
 
+    def _render_all(self, conn: psycopg.Connection[Any]) -> None:
+        """Render every statement once (:attr:`_sql`), and the hot ones in server-side form
+        for :meth:`Session.run_prepared` (:attr:`_pq`)."""
+        self._sql = {key: self._render(conn, text) for key, text in STATEMENTS.items()}
+        for key, names in FAST_PARAMS.items():
+            query, order = positional(self._sql[key])
+            assert order == names, (key, order)
+            self._pq[key] = (b"latchkey_" + key.encode(), query)
+
     def _create(self, conn: psycopg.Connection[Any]) -> None:
         """Create what is missing, one process at a time; refuse tables from a newer version."""
         with conn.transaction():
@@ -854,8 +863,8 @@ class PostgreSQLBackend(Backend):
         with session.lock:
             try:
                 conn = session.connection()
-                if not self._sql:
-                    self._sql = {key: self._render(conn, text) for key, text in STATEMENTS.items()}
+                if not self._pq:
+                    self._render_all(conn)
                 query = self._sql[statement]
                 try:
                     cur = conn.execute(query, params, prepare=True)
@@ -883,12 +892,7 @@ class PostgreSQLBackend(Backend):
             try:
                 conn = session.connection()
                 if not self._pq:
-                    if not self._sql:
-                        self._sql = {k: self._render(conn, t) for k, t in STATEMENTS.items()}
-                    for key, names in FAST_PARAMS.items():
-                        query, order = positional(self._sql[key])
-                        assert order == names, (key, order)
-                        self._pq[key] = (b"latchkey_" + key.encode(), query)
+                    self._render_all(conn)
                 prepared, query = self._pq[statement]
                 try:
                     return session.run_prepared(prepared, query, values, formats, True)
