@@ -13,13 +13,13 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import latchkey
-from tests import servers
+from tests import asyncmode, servers
 
 servers.load_all()
 
@@ -71,9 +71,16 @@ def server_pool() -> Iterator[ServerPool]:
         pool.stop_all()
 
 
+#: The APIs the contract suite runs in: the sync one, and the asyncio one through
+#: tests/asyncmode.py. ``LATCHKEY_TEST_APIS=sync`` limits them.
+APIS = [a for a in os.environ.get("LATCHKEY_TEST_APIS", "sync,async").split(",") if a]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "store_row" in metafunc.fixturenames:
         metafunc.parametrize("store_row", ROWS, ids=[row.id for row in ROWS])
+    if "api" in metafunc.fixturenames:
+        metafunc.parametrize("api", APIS)
 
 
 def _unavailable(row: servers.StoreRow, reason: str) -> None:
@@ -101,8 +108,26 @@ def store_url(store_row: servers.StoreRow, base_url: str, tmp_path: Path) -> str
 
 
 @pytest.fixture
-def store(store_url: str, request: pytest.FixtureRequest) -> Iterator[latchkey.Store]:
-    s = latchkey.connect(store_url)
+def connect(api: str) -> Callable[[str], latchkey.Store]:
+    """``latchkey.connect`` in this test's API: the sync one, or the asyncio one seen through
+    a sync facade (tests/asyncmode.py), so that one test body checks both."""
+    if api == "sync":
+        return latchkey.connect
+
+    def connect_async(url: str) -> latchkey.Store:
+        try:
+            return asyncmode.connect(url)  # type: ignore[no-any-return]
+        except latchkey.Unsupported as exc:
+            pytest.skip(f"async: not run: {exc}")
+
+    return connect_async
+
+
+@pytest.fixture
+def store(
+    store_url: str, connect: Callable[[str], latchkey.Store], request: pytest.FixtureRequest
+) -> Iterator[latchkey.Store]:
+    s = connect(store_url)
     needed = [c for marker in request.node.iter_markers("requires") for c in marker.args]
     missing = [c for c in needed if not getattr(s.capabilities, c)]
     if missing:

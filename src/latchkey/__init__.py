@@ -5,17 +5,23 @@
 >>> with store.lock("digest:42", ttl="10m") as lock:
 ...     lock.token > 0
 True
+
+The asyncio twin (``connect_async``, ``AsyncStore``, ``AsyncLock``…) is imported on first use,
+so that the sync API and the CLI do not load asyncio.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from latchkey import errors
 from latchkey._claim import Claim
+from latchkey._core.store import Health
 from latchkey._durations import Duration, parse_duration
 from latchkey._lock import Lock, Semaphore
 from latchkey._owner import Owner
 from latchkey._record import Record
-from latchkey._store import Health, Store, connect
+from latchkey._store import Store, connect
 from latchkey._types import Holder, LockInfo
 from latchkey.errors import (
     ConfigError,
@@ -30,9 +36,40 @@ from latchkey.errors import (
 )
 from latchkey.stores.base import Capabilities
 
-__version__ = "0.1.0.dev0"
+if TYPE_CHECKING:
+    from latchkey._async.claim import AsyncClaim
+    from latchkey._async.lock import AsyncLock, AsyncSemaphore
+    from latchkey._async.record import AsyncRecord
+    from latchkey._async.store import AsyncStore, connect_async
+
+__version__ = "0.2.0.dev0"
+
+_ASYNC = {
+    "AsyncClaim": "latchkey._async.claim",
+    "AsyncLock": "latchkey._async.lock",
+    "AsyncRecord": "latchkey._async.record",
+    "AsyncSemaphore": "latchkey._async.lock",
+    "AsyncStore": "latchkey._async.store",
+    "connect_async": "latchkey._async.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ASYNC:
+        import importlib
+
+        value = getattr(importlib.import_module(_ASYNC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'latchkey' has no attribute {name!r}")
+
 
 __all__ = [
+    "AsyncClaim",
+    "AsyncLock",
+    "AsyncRecord",
+    "AsyncSemaphore",
+    "AsyncStore",
     "Capabilities",
     "Claim",
     "ConfigError",
@@ -55,6 +92,7 @@ __all__ = [
     "Unsupported",
     "__version__",
     "connect",
+    "connect_async",
     "errors",
     "parse_duration",
 ]

@@ -1,28 +1,20 @@
-"""Versioned records (seed 003's optimistic lock): read a value and its version, write only if
-nobody wrote in between."""
+"""Record, the sync shell over the versioned-record rules (:mod:`latchkey._core.record`)."""
 
 from __future__ import annotations
 
-import json
-import random
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from latchkey.errors import Conflict, InvalidValue
+from latchkey._core.record import RecordCore, encode
+from latchkey._run import run
 
 if TYPE_CHECKING:
     from latchkey._store import Store
 
-
-def encode(value: Any, name: str) -> str:
-    try:
-        return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidValue(f"record {name!r}: value is not JSON ({exc})") from None
+__all__ = ["Record", "encode"]
 
 
-class Record:
+class Record(RecordCore):
     """A JSON value with a version that increases by one on every write.
 
     ``get()`` returns ``(None, 0)`` for a record never written. ``set(value, version=v)``
@@ -32,46 +24,22 @@ class Record:
     """
 
     def __init__(self, store: Store, name: str) -> None:
+        super().__init__(name)
         self.store = store
-        self.name = name
 
     def get(self) -> tuple[Any, int]:
-        text, version = self.store.backend.record_get(self.name)
-        return (None if text is None else json.loads(text)), version
+        return run(self._get(), self.store.backend)
 
     def set(self, value: Any, *, version: int) -> int:
         """Write ``value`` if the record is still at ``version`` (0: absent); return the new
         version."""
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidValue(f"record {self.name!r}: version must be an int ≥ 0, got {version!r}")
-        new = self.store.backend.record_set(self.name, encode(value, self.name), version)
-        if new is None:
-            raise Conflict(f"record {self.name!r} changed since version {version}")
-        return new
+        return run(self._set(value, version), self.store.backend)
 
     def delete(self, *, version: int) -> None:
         """Delete the record if it is still at ``version``; raise :class:`Conflict` if not."""
-        if not self.store.backend.record_delete(self.name, version):
-            raise Conflict(f"record {self.name!r} changed since version {version}")
+        run(self._delete(version), self.store.backend)
 
     def update(self, fn: Callable[[Any], Any], *, retries: int = 10) -> Any:
         """Read, apply ``fn``, write back; on a conflict read again (up to ``retries`` more
         times, with a short jittered pause). Returns the value written."""
-        if retries < 0:
-            raise InvalidValue(f"retries must be ≥ 0, got {retries!r}")
-        for attempt in range(retries + 1):
-            value, version = self.get()
-            new = fn(value)
-            try:
-                self.set(new, version=version)
-                return new
-            except Conflict:
-                if attempt == retries:
-                    raise Conflict(
-                        f"record {self.name!r} kept changing: gave up after {retries + 1} tries"
-                    ) from None
-                time.sleep(random.uniform(0, 0.002 * 2 ** min(attempt, 6)))
-        raise AssertionError("unreachable")
-
-    def __repr__(self) -> str:
-        return f"<Record {self.name!r}>"
+        return run(self._update(fn, retries), self.store.backend)

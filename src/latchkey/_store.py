@@ -1,37 +1,31 @@
-"""The public Store: what ``latchkey.connect()`` returns. It validates input, builds the lease
-objects, and delegates atomic work to its backend."""
+"""The public Store: what ``latchkey.connect()`` returns. The sync shell over the store-wide
+rules (:mod:`latchkey._core.store`); its asyncio twin is :class:`latchkey.AsyncStore`."""
 
 from __future__ import annotations
 
 import functools
 import inspect as _inspect
-import logging
 import os
-import statistics
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from latchkey._claim import Claim
-from latchkey._durations import Duration, parse_duration, parse_ttl
-from latchkey._lock import Lock, Semaphore, describe_holder
+from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
+from latchkey._durations import Duration
+from latchkey._lock import Lock, Semaphore
 from latchkey._names import validate_name
 from latchkey._owner import check_metadata
 from latchkey._record import Record
+from latchkey._run import run
 from latchkey._types import LockInfo
-from latchkey.errors import ConfigError, LockLost, Unsupported
 from latchkey.stores import Backend, Capabilities, open_backend
 
-log = logging.getLogger("latchkey")
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: The lease length when ``ttl=`` is not given.
-DEFAULT_TTL = 60.0
+__all__ = ["DEFAULT_TTL", "Health", "Store", "connect", "default_url"]
 
 
 def default_url() -> str:
@@ -53,27 +47,7 @@ def connect(url: str | None = None) -> Store:
     return Store(open_backend(url if url is not None else default_url()))
 
 
-def _check_limit(limit: object) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ConfigError(f"limit must be a whole number ≥ 1, got {limit!r}")
-    return limit
-
-
-@dataclass(frozen=True)
-class Health:
-    """What ``Store.check()`` measured."""
-
-    url: str
-    round_trip: float
-    """Median seconds for one store round trip (a clock read)."""
-    clock_offset: float
-    """Store clock minus local clock, seconds (positive: the store is ahead)."""
-    probe: float
-    """Seconds to acquire, inspect and release a probe lease."""
-    capabilities: Capabilities
-
-
-class Store:
+class Store(StoreCore):
     """Locks, semaphores, claims and records on one store. Create with :func:`connect`.
 
     .. versionadded:: 0.1
@@ -83,16 +57,16 @@ class Store:
         self.backend = backend
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
         """What this store guarantees (see the docs' store pages)."""
         return self.backend.capabilities
 
     @property
-    def scheme(self) -> str:
+    def scheme(self) -> str:  # type: ignore[override]
         return self.backend.url.scheme
 
     @property
-    def url(self) -> str:
+    def url(self) -> str:  # type: ignore[override]
         """The store URL with its password masked."""
         return self.backend.url.redacted()
 
@@ -129,9 +103,7 @@ class Store:
         metadata: Mapping[str, Any] | None = None,
     ) -> Semaphore:
         """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
-        limit = _check_limit(limit)
-        if limit > 1 and not self.capabilities.semaphores:
-            raise Unsupported(f"the {self.scheme} store does not support semaphores")
+        limit = self._semaphore_limit(limit)
         return Semaphore(
             self,
             validate_name(name),
@@ -150,11 +122,8 @@ class Store:
         metadata: Mapping[str, Any] | None = None,
     ) -> Claim:
         """Take every free name of ``names`` at once; skip the busy ones (seed 000)."""
-        if isinstance(names, str):
-            raise ConfigError("claim() takes an iterable of names, not one str")
-        if not self.capabilities.claims:
-            raise Unsupported(f"the {self.scheme} store does not support batch claims")
-        return Claim(self, names, ttl=parse_ttl(ttl), metadata=check_metadata(metadata))
+        ttl_s, meta = self._claim_args(names, ttl, metadata)
+        return Claim(self, names, ttl=ttl_s, metadata=meta)
 
     def is_free(self, name: str) -> bool:
         """True if nobody holds a live lease on ``name``."""
@@ -166,11 +135,7 @@ class Store:
 
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
         """Every held name starting with ``prefix``, in name order."""
-        if not self.capabilities.listing:
-            raise Unsupported(f"the {self.scheme} store cannot list locks")
-        if not isinstance(prefix, str):
-            raise ConfigError(f"prefix must be a str, got {prefix!r}")
-        return self.backend.list(prefix)
+        return self.backend.list(self._list_prefix(prefix))
 
     def force_release(self, name: str) -> bool:
         """Drop every lease on ``name``, whoever holds it. The operator's lever: latchkey
@@ -185,9 +150,7 @@ class Store:
 
     def record(self, name: str) -> Record:
         """A versioned JSON record for optimistic updates (seed 003)."""
-        if not self.capabilities.records:
-            raise Unsupported(f"the {self.scheme} store does not support versioned records")
-        return Record(self, validate_name(name))
+        return Record(self, self._record_name(name))
 
     def update(self, name: str, fn: Callable[[Any], Any], *, retries: int = 10) -> Any:
         """Read-modify-write ``name`` with ``fn`` until it applies without a conflict."""
@@ -209,33 +172,14 @@ class Store:
         held at most ``at_most`` (its TTL) and at least ``at_least``, even when the function
         finished sooner, so that nodes whose schedules fire a little apart skip this tick.
         """
-        validate_name(name)
-        most = parse_ttl(at_most, what="at_most")
-        least = parse_duration(at_least, what="at_least")
-        if least > most:
-            raise ConfigError(f"at_least ({at_least!r}) must not exceed at_most ({at_most!r})")
-        meta = check_metadata(metadata)
+        rule = self._singleton_rule(name, at_most, at_least, metadata)
 
         def decorate(fn: F) -> F:
             @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                lock = self.lock(name, ttl=most, wait=0, metadata=meta)
-                started = time.monotonic()
-                if not lock.acquire():
-                    log.info(
-                        "skipped %s: %r is %s",
-                        fn.__qualname__,
-                        name,
-                        describe_holder(lock.holder),
-                    )
-                    return None
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    if not lock._end(least - (time.monotonic() - started)):
-                        log.warning("%r expired while the job ran (at_most too short?)", name)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return run(self._singleton(rule, fn, args, kwargs), self.backend)
 
-            return run  # type: ignore[return-value]
+            return call  # type: ignore[return-value]
 
         return decorate
 
@@ -249,27 +193,18 @@ class Store:
         metadata: Mapping[str, Any] | None = None,
     ) -> Callable[[F], F]:
         """Hold the lock ``name.format(**arguments)`` while the function runs (blocking)."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError("locked() needs a non-empty name template")
+        template = self._locked_template(name)
 
         def decorate(fn: F) -> F:
             signature = _inspect.signature(fn)
 
             @functools.wraps(fn)
-            def run(*args: Any, **kwargs: Any) -> Any:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                try:
-                    lock_name = name.format(**bound.arguments)
-                except (KeyError, IndexError, AttributeError) as exc:
-                    raise ConfigError(
-                        f"locked({name!r}): cannot fill the name from {fn.__qualname__}'s "
-                        f"arguments: {exc!r}"
-                    ) from None
-                with self.lock(lock_name, ttl=ttl, wait=wait, renew=renew, metadata=metadata):
-                    return fn(*args, **kwargs)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                lock_name = self._locked_name(template, fn, signature, args, kwargs)
+                lock = self.lock(lock_name, ttl=ttl, wait=wait, renew=renew, metadata=metadata)
+                return run(self._locked(lock, fn, args, kwargs), self.backend)
 
-            return run  # type: ignore[return-value]
+            return call  # type: ignore[return-value]
 
         return decorate
 
@@ -281,30 +216,7 @@ class Store:
 
     def check(self, samples: int = 5) -> Health:
         """Reach the store, read its clock, and acquire/inspect/release a probe lease."""
-        trips: list[float] = []
-        offsets: list[float] = []
-        for _ in range(max(1, samples)):
-            before_wall, before = time.time(), time.monotonic()
-            store_now = self.backend.now()
-            trip = time.monotonic() - before
-            trips.append(trip)
-            offsets.append(store_now.timestamp() - (before_wall + trip / 2))
-        started = time.monotonic()
-        probe = self.lock(f"latchkey:check:{uuid.uuid4().hex}", ttl=30, wait=0)
-        if not probe.acquire():
-            raise LockLost("check: a fresh probe name was reported busy")
-        try:
-            if self.capabilities.ttl and self.inspect(probe.name) is None:
-                raise LockLost("check: the probe lease was not visible after acquire")
-        finally:
-            probe.release()
-        return Health(
-            self.url,
-            statistics.median(trips),
-            statistics.median(offsets),
-            time.monotonic() - started,
-            self.capabilities,
-        )
+        return run(self._check(samples), self.backend)
 
     def init(self) -> None:
         """Create the store's tables/indexes now (they are otherwise created on first use)."""

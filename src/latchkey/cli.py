@@ -256,7 +256,7 @@ def _supervise(child: subprocess.Popen[bytes], lock: Lock, kill_on_lost: bool) -
 def _finish(lock: Lock, keep: float) -> None:
     """Release, or keep the lease for the rest of ``--at-least`` and then let it expire."""
     try:
-        lock._end(keep)
+        lock._finish(keep)
     except LatchkeyError as exc:
         print(f"latchkey: could not release {lock.name!r}: {exc}", file=sys.stderr)
 

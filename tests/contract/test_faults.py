@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -26,12 +27,15 @@ def _with_port(url: str, port: int) -> str:
 
 
 def test_unreachable_server_is_unavailable_not_busy(
-    store_row: servers.StoreRow, base_url: str, name: str
+    store_row: servers.StoreRow,
+    base_url: str,
+    name: str,
+    connect: Callable[[str], latchkey.Store],
 ) -> None:
     if store_row.server is None:
         pytest.skip(f"{store_row.id}: embedded store, nothing to reach")
     url = servers.with_query(_with_port(base_url, servers.free_port()), timeout="2s")
-    store = latchkey.connect(url)
+    store = connect(url)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable) as caught:
         store.lock(name, ttl="10s", wait=0).acquire()
@@ -47,9 +51,10 @@ def test_server_stopped_mid_run_then_restarted(
     running_server: servers.RunningServer,
     store_url: str,
     name: str,
+    connect: Callable[[str], latchkey.Store],
 ) -> None:
     url = servers.with_query(store_url, timeout="2s")
-    store, other = latchkey.connect(url), latchkey.connect(url)
+    store, other = connect(url), connect(url)
     holder = store.lock(name, ttl="60s")
     assert holder.acquire()
     assert other.lock(name, ttl="60s", wait=0).acquire() is False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 import pytest
@@ -54,8 +55,10 @@ def test_mutual_exclusion_and_busy_holder(store: latchkey.Store, name: str) -> N
     second.release()
 
 
-def test_two_store_objects_exclude_each_other(store_url: str, name: str) -> None:
-    a, b = latchkey.connect(store_url), latchkey.connect(store_url)
+def test_two_store_objects_exclude_each_other(
+    store_url: str, name: str, connect: Callable[[str], latchkey.Store]
+) -> None:
+    a, b = connect(store_url), connect(store_url)
     try:
         with a.lock(name, ttl="30s"):
             assert b.lock(name, ttl="30s", wait=0).acquire() is False

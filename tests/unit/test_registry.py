@@ -20,7 +20,7 @@ def test_unknown_scheme_lists_the_known_ones() -> None:
 def test_missing_driver_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "lk_fake_store.py").write_text("import lk_driver_that_is_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(BUILTIN, "fakedb", ("lk_fake_store:Backend", "fakedb"))
+    monkeypatch.setitem(BUILTIN, "fakedb", ("lk_fake_store:Backend", None, "fakedb"))
     with pytest.raises(ConfigError) as caught:
         latchkey.connect("fakedb://u:hunter2@h/")
     message = str(caught.value)
@@ -36,7 +36,7 @@ def test_a_class_that_is_not_a_backend_is_refused(
 ) -> None:
     (tmp_path / "lk_not_a_store.py").write_text("class Backend:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(BUILTIN, "notastore", ("lk_not_a_store:Backend", None))
+    monkeypatch.setitem(BUILTIN, "notastore", ("lk_not_a_store:Backend", None, None))
     with pytest.raises(ConfigError, match="not a latchkey Backend"):
         backend_class("notastore")
     sys.modules.pop("lk_not_a_store", None)

@@ -1,12 +1,21 @@
-"""The waiting loop with a fake clock: no store, no sleeping."""
+"""The waiting rules with a fake clock: no store, no sleeping.
+
+The core's wait loop is a generator of operations (``latchkey._core.ops``); here a fake
+runner answers them from a fake store and advances a fake clock on every pause, the way the
+sync and asyncio runners would do with a real store and real time.
+"""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
+from latchkey._core.ops import CALL, SLEEP, Steps
+from latchkey._core.waiting import Attempts, Backoff, wait_for
 from latchkey._types import Busy, Grant
-from latchkey._waiting import Backoff, wait_for
-from latchkey.stores.base import Waiter
+
+ARGS = ("n", "owner", "{}", 30.0, 1)
 
 
 class FakeClock:
@@ -17,17 +26,91 @@ class FakeClock:
         return self.now
 
 
-class FakeWaiter(Waiter):
+class FakeWaiter:
     def __init__(self, clock: FakeClock, log: list[float]) -> None:
         self.clock, self.log, self.closed = clock, log, False
+        self.outcome: Grant | Busy | None = None
 
     def wait(self, timeout: float) -> bool:
         self.log.append(timeout)
         self.clock.now += timeout
         return False
 
+    def take_grant(self) -> Grant | None:
+        return None
+
+    def finish(self, result: Grant | Busy) -> None:
+        self.outcome = result
+
     def close(self) -> None:
         self.closed = True
+
+
+class FakeStore:
+    """Answers ``acquire`` from a list (or a function), ``wait_in_line`` with a waiter."""
+
+    def __init__(
+        self,
+        clock: FakeClock,
+        answers: Callable[[], Grant | Busy],
+        waiter: FakeWaiter | None = None,
+        block: Callable[[float | None], Grant | Busy] | None = None,
+    ) -> None:
+        self.clock, self.answers, self.waiter, self.block = clock, answers, waiter, block
+        self.calls: list[str] = []
+        self.slept: list[float] = []
+
+    def acquire(self, *args: Any) -> Grant | Busy:
+        self.calls.append("acquire")
+        return self.answers()
+
+    def acquire_blocking(self, *args: Any) -> Grant | Busy:
+        self.calls.append("acquire_blocking")
+        assert self.block is not None
+        return self.block(args[-1])
+
+    def wait_in_line(self, *args: Any) -> FakeWaiter | None:
+        self.calls.append("wait_in_line")
+        return self.waiter
+
+
+def drive(steps: Steps[Any], store: FakeStore) -> Any:
+    """A runner with fake time: CALL on the fake store or its waiter, SLEEP moves the clock."""
+    value: Any = None
+    while True:
+        try:
+            op = steps.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if op.kind == CALL:
+            value = getattr(store if op.target is None else op.target, op.method)(*op.args)
+        else:
+            assert op.kind == SLEEP
+            store.slept.append(op.args[0])
+            store.clock.now += op.args[0]
+            value = None
+
+
+def waiting(
+    store: FakeStore,
+    first: Busy,
+    *,
+    wait: float | None,
+    limit: int = 1,
+    push: bool = False,
+    blocking: bool = False,
+) -> Grant | Busy:
+    attempts = Attempts((*ARGS[:4], limit), store.clock, store.clock())
+    steps = wait_for(
+        attempts, first, wait=wait, limit=limit, push=push, blocking=blocking,
+        rng=random.Random(0),
+    )  # fmt: skip
+    return drive(steps, store)  # type: ignore[no-any-return]
+
+
+def answers(*items: Grant | Busy) -> Callable[[], Grant | Busy]:
+    it = iter(items)
+    return lambda: next(it)
 
 
 def test_backoff_grows_to_its_cap_with_jitter() -> None:
@@ -37,68 +120,40 @@ def test_backoff_grows_to_its_cap_with_jitter() -> None:
     assert delays[-1] >= 0.04  # reached the cap's half at least
 
 
-def test_try_once_does_not_subscribe() -> None:
-    subscribed: list[int] = []
-    result = wait_for(
-        lambda: Busy(1),
-        lambda: subscribed.append(1) or Waiter(),  # type: ignore[func-returns-value]
-        wait=0,
-        limit=1,
-        push=False,
-    )
-    assert isinstance(result, Busy) and subscribed == []
-
-
 def test_gives_up_at_the_deadline_and_never_sleeps_past_it() -> None:
     clock, log = FakeClock(), []
     waiter = FakeWaiter(clock, log)
-    result = wait_for(
-        lambda: Busy(1),
-        lambda: waiter,
-        wait=1.0,
-        limit=1,
-        push=False,
-        clock=clock,
-        rng=random.Random(0),
-    )
+    store = FakeStore(clock, lambda: Busy(1), waiter)
+    result = waiting(store, Busy(1), wait=1.0)
     assert isinstance(result, Busy)
-    assert clock.now == 1.0 or abs(clock.now - 1.0) < 1e-9
-    assert max(log) <= 0.25 and waiter.closed
+    assert abs(clock.now - 1.0) < 1e-9
+    assert max(log) <= 0.25 and waiter.closed and waiter.outcome is result
+
+
+def test_a_store_without_push_is_polled_by_the_core() -> None:
+    clock = FakeClock()
+    store = FakeStore(clock, lambda: Busy(1), None)  # wait_in_line answers None: no push
+    result = waiting(store, Busy(1), wait=1.0)
+    assert isinstance(result, Busy)
+    assert store.slept and max(store.slept) <= 0.25 and abs(clock.now - 1.0) < 1e-9
+    assert store.calls.count("acquire") == len(store.slept) + 1
 
 
 def test_sleeps_no_longer_than_the_holders_remaining_lease() -> None:
     clock, log = FakeClock(), []
-    answers = iter([Busy(1, None, 0.5), Busy(1, None, 0.003), Grant(7, None)])
-    result = wait_for(
-        lambda: next(answers),
-        lambda: FakeWaiter(clock, log),
-        wait=None,
-        limit=1,
-        push=True,
-        clock=clock,
-        rng=random.Random(0),
-    )
+    store = FakeStore(clock, answers(Busy(1, None, 0.003), Grant(7, None)), FakeWaiter(clock, log))
+    result = waiting(store, Busy(1, None, 0.5), wait=None, push=True)
     assert result == Grant(7, None)
     assert log == [log[0]] and log[0] <= 0.004
 
 
 def test_a_lost_race_for_a_free_slot_retries_at_once() -> None:
     clock, log = FakeClock(), []
-    answers = iter([Busy(3), Busy(2), Busy(2), Grant(1, None)])
-    result = wait_for(
-        lambda: next(answers),
-        lambda: FakeWaiter(clock, log),
-        wait=10,
-        limit=3,
-        push=False,
-        clock=clock,
+    store = FakeStore(
+        clock, answers(Busy(2), Busy(2), Grant(1, None)), FakeWaiter(clock, log)
     )
+    result = waiting(store, Busy(3), wait=10, limit=3)
     assert result == Grant(1, None) and log == []
-
-
-def test_first_try_wins_without_waiting() -> None:
-    result = wait_for(lambda: Grant(1, None), lambda: Waiter(), wait=None, limit=1, push=False)
-    assert result == Grant(1, None)
 
 
 def test_a_blocking_store_waits_in_the_server_with_what_is_left() -> None:
@@ -109,19 +164,11 @@ def test_a_blocking_store_waits_in_the_server_with_what_is_left() -> None:
         clock.now += 0.4  # the server held us 0.4 s, then answered (its own cap)
         return Grant(3, None) if len(asked) == 3 else Busy(1)
 
-    subscribed: list[int] = []
-    result = wait_for(
-        lambda: Busy(1),
-        lambda: subscribed.append(1) or Waiter(),  # type: ignore[func-returns-value]
-        wait=2.0,
-        limit=1,
-        push=True,
-        block=block,
-        clock=clock,
-    )
+    store = FakeStore(clock, lambda: Busy(1), None, block)
+    result = waiting(store, Busy(1), wait=2.0, push=True, blocking=True)
     assert result == Grant(3, None)
     assert [round(t or 0, 6) for t in asked] == [2.0, 1.6, 1.2]
-    assert subscribed == []  # the server does the waking: no subscription
+    assert "wait_in_line" not in store.calls  # the server does the waking
 
 
 def test_a_blocking_store_gives_up_at_the_deadline() -> None:
@@ -133,37 +180,27 @@ def test_a_blocking_store_gives_up_at_the_deadline() -> None:
         clock.now += timeout
         return Busy(1, None)
 
-    result = wait_for(
-        lambda: Busy(1), lambda: Waiter(), wait=1.5, limit=1, push=True, block=block, clock=clock
-    )
+    store = FakeStore(clock, lambda: Busy(1), None, block)
+    result = waiting(store, Busy(1), wait=1.5, push=True, blocking=True)
     assert isinstance(result, Busy) and asked == [1.5]
 
 
 def test_a_blocking_store_that_does_not_wait_cannot_make_the_loop_spin() -> None:
-    clock, slept, calls = FakeClock(), [], []
+    clock, calls = FakeClock(), []
 
     def block(timeout: float | None) -> Grant | Busy:
         calls.append(timeout)
         return Busy(1)  # answers at once, without waiting
 
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        clock.now += seconds
-
-    result = wait_for(
-        lambda: Busy(1), lambda: Waiter(), wait=1.0, limit=1, push=True, block=block,
-        clock=clock, sleep=sleep, rng=random.Random(0),
-    )  # fmt: skip
+    store = FakeStore(clock, lambda: Busy(1), None, block)
+    result = waiting(store, Busy(1), wait=1.0, push=True, blocking=True)
     assert isinstance(result, Busy)
-    assert len(calls) == len(slept) and 0 < len(calls) < 50 and abs(clock.now - 1.0) < 1e-9
+    assert len(calls) == len(store.slept) and 0 < len(calls) < 50
+    assert abs(clock.now - 1.0) < 1e-9
 
 
 class HandingWaiter(FakeWaiter):
     """Woken once by a release that hands the lease straight over (PostgreSQL's queue)."""
-
-    def __init__(self, clock: FakeClock, log: list[float]) -> None:
-        super().__init__(clock, log)
-        self.outcome: Grant | Busy | None = None
 
     def wait(self, timeout: float) -> bool:
         super().wait(timeout)
@@ -172,23 +209,15 @@ class HandingWaiter(FakeWaiter):
     def take_grant(self) -> Grant | None:
         return Grant(9, None) if len(self.log) == 2 else None
 
-    def finish(self, result: Grant | Busy) -> None:
-        self.outcome = result
-
 
 def test_a_lease_handed_over_on_release_is_returned_without_another_attempt() -> None:
-    clock, log, attempts = FakeClock(), [], []
+    clock, log = FakeClock(), []
     waiter = HandingWaiter(clock, log)
-
-    def attempt() -> Grant | Busy:
-        attempts.append(clock.now)
-        return Busy(1)
-
-    result = wait_for(
-        attempt, lambda: waiter, wait=10, limit=1, push=True, clock=clock, rng=random.Random(0)
-    )
+    store = FakeStore(clock, lambda: Busy(1), waiter)
+    result = waiting(store, Busy(1), wait=10, push=True)
     assert result == Grant(9, None)
-    assert len(attempts) == 3  # the first, one after subscribing, one after the first wake-up
+    # one attempt after waiting in line, one after the first wake-up (the first was the caller's)
+    assert store.calls.count("acquire") == 2
     assert waiter.outcome == result and waiter.closed
 
 
@@ -196,5 +225,28 @@ def test_the_waiter_is_told_a_timeout_before_it_closes() -> None:
     clock, log = FakeClock(), []
     waiter = HandingWaiter(clock, log)
     waiter.take_grant = lambda: None  # type: ignore[method-assign]
-    result = wait_for(lambda: Busy(1), lambda: waiter, wait=0.5, limit=1, push=True, clock=clock)
+    store = FakeStore(clock, lambda: Busy(1), waiter)
+    result = waiting(store, Busy(1), wait=0.5, push=True)
     assert isinstance(result, Busy) and waiter.outcome is result and waiter.closed
+
+
+def test_the_waiter_is_closed_when_the_store_fails() -> None:
+    clock, log = FakeClock(), []
+    waiter = FakeWaiter(clock, log)
+
+    steps = wait_for(
+        Attempts(ARGS, clock, 0.0), Busy(1), wait=5, limit=1, push=True, blocking=False
+    )
+    op = steps.send(None)  # wait_in_line
+    assert op.method == "wait_in_line"
+    op = steps.send(waiter)  # the next attempt
+    assert op.method == "acquire"
+    op = steps.throw(ConnectionError("gone"))  # the attempt failed: the waiter is closed...
+    assert (op.target, op.method) == (waiter, "close")
+    try:
+        steps.send(None)  # ...and the error goes on to the caller
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("the store's error was swallowed")
+    assert waiter.outcome is None  # not told an outcome: there was none

@@ -28,8 +28,7 @@ import abc
 import contextlib
 import itertools
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
@@ -86,17 +85,14 @@ SESSION_LOCKS = Capabilities(
 
 
 class Waiter:
-    """Waits for a hint that a name may have been released.
-
-    The core creates it (``backend.subscribe(name)``) *before* its second acquire attempt, so
-    a release that happens between a failed attempt and :meth:`wait` is never missed. This
-    default one just sleeps: polling. Push stores return one that wakes early.
-    """
+    """Wakes a blocked acquire when ``name`` may have been released: made by a push store's
+    :meth:`Backend.wait_in_line` *before* the core's second attempt, so a release between a
+    failed attempt and :meth:`wait` is never missed. Stores without push return None there
+    and the core polls with backoff (the core sleeps; a store never does)."""
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds; True if woken by a release notice."""
-        time.sleep(max(0.0, timeout))
-        return False
+        raise NotImplementedError
 
     def take_grant(self) -> Grant | None:
         """The lease the store handed straight to this waiter's owner on release, if it did
@@ -120,8 +116,9 @@ class Waiter:
         self.close()
 
 
-class Backend(abc.ABC):
-    """One store. Subclasses set ``scheme``, ``capabilities``, ``options`` and the primitives."""
+class BackendBase:
+    """What a store's sync and asyncio backends share: the URL, its validated options, the
+    capabilities, and the mapping of driver errors to StoreUnavailable."""
 
     scheme: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
@@ -131,6 +128,29 @@ class Backend(abc.ABC):
         self.url = url
         self.config: dict[str, Any] = read_options(url, self.options)
         self.timeout: float = self.config["timeout"]
+
+    def unavailable(self, exc: BaseException, action: str) -> NoReturn:
+        """Raise StoreUnavailable for a driver error, naming the store without its password."""
+        detail = self.url.scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        kind = type(exc).__name__
+        message = f"{self.scheme} store at {self.url.redacted()}: {action} failed: {kind}"
+        raise StoreUnavailable(f"{message}: {detail}" if detail else message) from exc
+
+    @contextlib.contextmanager
+    def translate(self, action: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
+        """Map ``errors`` raised inside the block to StoreUnavailable."""
+        try:
+            yield
+        except errors as exc:
+            self.unavailable(exc, action)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url.redacted()}>"
+
+
+class Backend(BackendBase, abc.ABC):
+    """One store, sync. Subclasses set ``scheme``, ``capabilities``, ``options`` and the
+    primitives. Its asyncio twin is :class:`AsyncBackend`: same names, same answers."""
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -222,13 +242,14 @@ class Backend(abc.ABC):
 
     # -- waiting, health, lifecycle ----------------------------------------------------------
 
-    def subscribe(self, name: str) -> Waiter:
-        """A :class:`Waiter` for releases of ``name``; the default polls."""
-        return Waiter()
+    def subscribe(self, name: str) -> Waiter | None:
+        """A :class:`Waiter` woken by releases of ``name``; None (the default): the store
+        has no push, and the core polls."""
+        return None
 
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
-    ) -> Waiter:
+    ) -> Waiter | None:
         """The waiter for one blocked acquire of ``owner``, made before its second attempt.
 
         The default is :meth:`subscribe`. A store that can hand a released lease straight to
@@ -242,31 +263,11 @@ class Backend(abc.ABC):
     def now(self) -> datetime:
         """The store's clock (UTC), read with one round trip."""
 
-    def init(self) -> None:  # noqa: B027 -- optional hook: most stores need no setup
+    def init(self) -> None:
         """Create tables, indexes or scripts now (they are also created on first use)."""
 
-    def close(self) -> None:  # noqa: B027 -- optional hook
+    def close(self) -> None:
         """Release connections. Leases held through this backend may end (session stores)."""
-
-    # -- helpers for subclasses --------------------------------------------------------------
-
-    def unavailable(self, exc: BaseException, action: str) -> NoReturn:
-        """Raise StoreUnavailable for a driver error, naming the store without its password."""
-        detail = self.url.scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-        kind = type(exc).__name__
-        message = f"{self.scheme} store at {self.url.redacted()}: {action} failed: {kind}"
-        raise StoreUnavailable(f"{message}: {detail}" if detail else message) from exc
-
-    @contextlib.contextmanager
-    def translate(self, action: str, errors: tuple[type[BaseException], ...]) -> Iterator[None]:
-        """Map ``errors`` raised inside the block to StoreUnavailable."""
-        try:
-            yield
-        except errors as exc:
-            self.unavailable(exc, action)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.url.redacted()}>"
 
 
 class EventWaiter(Waiter):
@@ -292,3 +293,109 @@ def group_by_name(
     """SQL rows ordered by name (``row[0]``: the name's UTF-8 bytes) → one LockInfo per name."""
     for key, group in itertools.groupby(rows, key=lambda row: bytes(row[0])):
         yield LockInfo(key.decode(), tuple(holder(row) for row in group))
+
+
+# -- the asyncio twin ---------------------------------------------------------------------------
+
+
+class AsyncWaiter:
+    """The asyncio twin of :class:`Waiter`: the same four operations, awaited. A waiting
+    coroutine holds no thread."""
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; True if woken by a release notice."""
+        raise NotImplementedError
+
+    async def take_grant(self) -> Grant | None:
+        """See :meth:`Waiter.take_grant`."""
+        return None
+
+    async def finish(self, result: Grant | Busy) -> None:
+        """See :meth:`Waiter.finish`."""
+
+    async def close(self) -> None:
+        """See :meth:`Waiter.close`."""
+
+    async def __aenter__(self) -> AsyncWaiter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncBackend(BackendBase, abc.ABC):
+    """One store, asyncio: every primitive of :class:`Backend` with the same name, arguments,
+    answers and errors, as a coroutine (``list`` as an async iterator). The core drives both
+    the same way (see ``latchkey._core``); only how bytes move differs. A store registers
+    its async class beside its sync one (``latchkey/stores/__init__.py``)."""
+
+    @abc.abstractmethod
+    async def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy: ...
+
+    async def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Grant | Busy:
+        raise Unsupported(f"the {self.scheme} store cannot wait in the server")
+
+    @abc.abstractmethod
+    async def release(self, name: str, owner: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def extend(self, name: str, owner: str, ttl: float) -> Grant | None: ...
+
+    @abc.abstractmethod
+    async def inspect(self, name: str) -> LockInfo | None: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> AsyncIterator[LockInfo]: ...
+
+    @abc.abstractmethod
+    async def force_release(self, name: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def purge_expired(self) -> int: ...
+
+    async def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        raise Unsupported(f"the {self.scheme} store does not support batch claims")
+
+    async def release_many(self, names: Sequence[str], owner: str) -> int:
+        live = 0
+        for name in names:
+            live += await self.release(name, owner)
+        return live
+
+    async def record_get(self, name: str) -> tuple[str | None, int]:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    async def record_set(self, name: str, value: str, version: int) -> int | None:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    async def record_delete(self, name: str, version: int) -> bool:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    async def subscribe(self, name: str) -> AsyncWaiter | None:
+        return None
+
+    async def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> AsyncWaiter | None:
+        return await self.subscribe(name)
+
+    @abc.abstractmethod
+    async def now(self) -> datetime: ...
+
+    async def init(self) -> None:
+        """Create tables, indexes or scripts now (they are also created on first use)."""
+
+    async def aclose(self) -> None:
+        """Release connections. Leases held through this backend may end (session stores)."""

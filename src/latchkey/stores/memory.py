@@ -6,16 +6,24 @@ nothing. The store's clock is this process's wall clock. Releases wake waiters a
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import StoreURL
-from latchkey.stores.base import Backend, Capabilities, EventWaiter, Waiter
+from latchkey.stores.base import (
+    AsyncBackend,
+    AsyncWaiter,
+    Backend,
+    Capabilities,
+    EventWaiter,
+    Waiter,
+)
 
 
 @dataclass
@@ -38,7 +46,8 @@ class _Space:
     leases: dict[str, dict[int, _Lease]] = field(default_factory=dict)
     fences: dict[str, int] = field(default_factory=dict)
     records: dict[str, tuple[str, int]] = field(default_factory=dict)
-    waiters: dict[str, set[threading.Event]] = field(default_factory=dict)
+    #: Per name, how to wake each waiter (a threading.Event's set, or a loop's call_soon).
+    waiters: dict[str, set[Callable[[], object]]] = field(default_factory=dict)
 
 
 _SPACES: dict[str, _Space] = {}
@@ -66,8 +75,8 @@ class MemoryBackend(Backend):
         return slots
 
     def _notify(self, name: str) -> None:
-        for event in self._space.waiters.get(name, ()):
-            event.set()
+        for wake in self._space.waiters.get(name, ()):
+            wake()
 
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
@@ -178,18 +187,100 @@ class MemoryBackend(Backend):
 
     def subscribe(self, name: str) -> Waiter:
         event = threading.Event()
+        return EventWaiter(event, self._listen(name, event.set))
+
+    def _listen(self, name: str, wake: Callable[[], object]) -> Callable[[], None]:
+        """Call ``wake`` on every release of ``name`` until the returned function is called."""
         with self._space.mutex:
-            self._space.waiters.setdefault(name, set()).add(event)
+            self._space.waiters.setdefault(name, set()).add(wake)
 
         def unsubscribe() -> None:
             with self._space.mutex:
                 waiting = self._space.waiters.get(name)
                 if waiting is not None:
-                    waiting.discard(event)
+                    waiting.discard(wake)
                     if not waiting:
                         del self._space.waiters[name]
 
-        return EventWaiter(event, unsubscribe)
+        return unsubscribe
 
     def now(self) -> datetime:
         return _dt(time.time())
+
+
+class _AsyncEventWaiter(AsyncWaiter):
+    def __init__(self, event: asyncio.Event, unsubscribe: Callable[[], None]) -> None:
+        self.event = event
+        self._unsubscribe = unsubscribe
+
+    async def wait(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.event.wait(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return False
+        self.event.clear()
+        return True
+
+    async def close(self) -> None:
+        self._unsubscribe()
+
+
+class AsyncMemoryBackend(AsyncBackend):
+    """The same namespaces for asyncio. Every primitive is a few dict operations under a
+    lock held for microseconds, so it runs in the loop; releases from any thread or loop wake
+    the waiters of this loop."""
+
+    scheme = MemoryBackend.scheme
+    capabilities = MemoryBackend.capabilities
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self._sync = MemoryBackend(url)
+
+    async def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        return self._sync.acquire(name, owner, owner_info, ttl, limit)
+
+    async def release(self, name: str, owner: str) -> bool:
+        return self._sync.release(name, owner)
+
+    async def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        return self._sync.extend(name, owner, ttl)
+
+    async def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        return self._sync.claim(names, owner, owner_info, ttl)
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        return self._sync.inspect(name)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[LockInfo]:
+        for info in self._sync.list(prefix):
+            yield info
+
+    async def force_release(self, name: str) -> bool:
+        return self._sync.force_release(name)
+
+    async def purge_expired(self) -> int:
+        return self._sync.purge_expired()
+
+    async def record_get(self, name: str) -> tuple[str | None, int]:
+        return self._sync.record_get(name)
+
+    async def record_set(self, name: str, value: str, version: int) -> int | None:
+        return self._sync.record_set(name, value, version)
+
+    async def record_delete(self, name: str, version: int) -> bool:
+        return self._sync.record_delete(name, version)
+
+    async def subscribe(self, name: str) -> AsyncWaiter:
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        return _AsyncEventWaiter(
+            event, self._sync._listen(name, lambda: loop.call_soon_threadsafe(event.set))
+        )
+
+    async def now(self) -> datetime:
+        return self._sync.now()

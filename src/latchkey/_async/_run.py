@@ -1,0 +1,102 @@
+"""The asyncio runner: drives a core generator (``latchkey._core``) by awaiting.
+
+The twin of :mod:`latchkey._run`: a store primitive is awaited instead of called,
+``asyncio.sleep`` replaces ``time.sleep``, and a renewer is a task instead of a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import weakref
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Op, Steps
+
+if TYPE_CHECKING:
+    from latchkey._core.lease import LeaseCore
+    from latchkey.stores.base import AsyncBackend
+
+T = TypeVar("T")
+
+
+async def arun(steps: Steps[T], backend: AsyncBackend) -> T:
+    """Run ``steps`` to its end, awaiting each operation it yields; return its value. An
+    error (cancellation included) is thrown into the generator, so its ``finally`` runs."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = None
+        try:
+            if op.kind == CALL:
+                target = backend if op.target is None else op.target
+                value = await getattr(target, op.method)(*op.args)
+            else:
+                value = await _do(op, backend)
+        except BaseException as exc:
+            value, error = None, exc
+
+
+async def _do(op: Op, backend: AsyncBackend) -> Any:
+    kind = op.kind
+    if kind == SLEEP:
+        await asyncio.sleep(max(0.0, op.args[0]))
+        return None
+    if kind == USER:
+        result = op.target(*op.args)
+        return (await result) if inspect.isawaitable(result) else result
+    if kind == RENEW:
+        lease = op.target
+        lease._renewer = AsyncRenewer(lease, backend)
+        return None
+    if kind == UNRENEW:
+        lease = op.target
+        renewer, lease._renewer = lease._renewer, None
+        if renewer is not None:
+            await renewer.stop()
+        return None
+    raise AssertionError(f"unknown operation {op!r}")
+
+
+class AsyncRenewer:
+    """The renewer of a ``renew=True`` lease in the loop: one task that runs the lease's
+    renewal step (``LeaseCore._renew_step``) every ttl/3 until it is stopped or the lease is
+    lost. Like the sync renewer it holds only a weak reference to the lease, and the lease's
+    collection cancels the task."""
+
+    def __init__(self, lease: LeaseCore, backend: AsyncBackend) -> None:
+        loop = asyncio.get_running_loop()
+        self._backend = backend
+        self._task = loop.create_task(
+            self._run(lease.ttl / 3), name=f"latchkey-renew:{lease.name[:40]}"
+        )
+        task = self._task
+        # Collection may happen on any thread: cancel through the loop.
+        self._ref = weakref.ref(lease, lambda _ref: loop.call_soon_threadsafe(task.cancel))
+
+    async def stop(self) -> None:
+        task = self._task
+        if task is asyncio.current_task():
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _run(self, delay: float) -> None:
+        while True:
+            await asyncio.sleep(delay)
+            lease = self._ref()
+            if lease is None:
+                return
+            try:
+                next_delay = await arun(lease._renew_step(), self._backend)
+            finally:
+                del lease
+            if next_delay is None:
+                return
+            delay = next_delay

@@ -1,0 +1,234 @@
+"""AsyncStore: what ``latchkey.connect_async()`` returns. The asyncio shell over the
+store-wide rules (:mod:`latchkey._core.store`), the twin of :class:`latchkey.Store`."""
+
+from __future__ import annotations
+
+import functools
+import inspect as _inspect
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from datetime import datetime
+from types import TracebackType
+from typing import Any, TypeVar
+
+from latchkey._async._run import arun
+from latchkey._async.claim import AsyncClaim
+from latchkey._async.lock import AsyncLock, AsyncSemaphore
+from latchkey._async.record import AsyncRecord
+from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
+from latchkey._durations import Duration
+from latchkey._names import validate_name
+from latchkey._owner import check_metadata
+from latchkey._types import LockInfo
+from latchkey.stores import AsyncBackend, Capabilities, open_async_backend
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def connect_async(url: str | None = None) -> AsyncStore:
+    """Open a store for asyncio by URL (default: ``LATCHKEY_URL``, else embedded SQLite in the
+    user's state directory). Connects on first use; close with ``await store.aclose()`` or
+    ``async with store:``.
+
+    Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option.
+
+    .. versionadded:: 0.2
+    """
+    from latchkey._store import default_url
+
+    return AsyncStore(open_async_backend(url if url is not None else default_url()))
+
+
+class AsyncStore(StoreCore):
+    """Locks, semaphores, claims and records on one store, for asyncio. Create with
+    :func:`connect_async`. Every method of :class:`latchkey.Store` has a twin here with the
+    same parameters, defaults, errors and semantics; those that reach the store are awaited.
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, backend: AsyncBackend) -> None:
+        self.backend = backend
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """What this store guarantees (see the docs' store pages)."""
+        return self.backend.capabilities
+
+    @property
+    def scheme(self) -> str:  # type: ignore[override]
+        return self.backend.url.scheme
+
+    @property
+    def url(self) -> str:  # type: ignore[override]
+        """The store URL with its password masked."""
+        return self.backend.url.redacted()
+
+    # -- leases ------------------------------------------------------------------------------
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration | None = None,
+        renew: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncLock:
+        """A leased mutex on ``name`` (no I/O until it is acquired). ``wait=None`` waits
+        without limit, ``wait=0`` tries once; ``renew=True`` renews from a task."""
+        return AsyncLock(
+            self,
+            validate_name(name),
+            ttl=ttl,
+            wait=wait,
+            renew=renew,
+            metadata=check_metadata(metadata),
+        )
+
+    def semaphore(
+        self,
+        name: str,
+        limit: int,
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration | None = None,
+        renew: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncSemaphore:
+        """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
+        limit = self._semaphore_limit(limit)
+        return AsyncSemaphore(
+            self,
+            validate_name(name),
+            ttl=ttl,
+            wait=wait,
+            renew=renew,
+            metadata=check_metadata(metadata),
+            limit=limit,
+        )
+
+    def claim(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncClaim:
+        """Take every free name of ``names`` at once; skip the busy ones (seed 000). Use
+        ``async with store.claim(...) as claim`` or ``claim = await store.claim(...)``."""
+        ttl_s, meta = self._claim_args(names, ttl, metadata)
+        return AsyncClaim(self, names, ttl=ttl_s, metadata=meta)
+
+    async def is_free(self, name: str) -> bool:
+        """True if nobody holds a live lease on ``name``."""
+        return (await self.inspect(name)) is None
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        """The live holders of ``name``, or None."""
+        return await self.backend.inspect(validate_name(name))
+
+    def list(self, prefix: str = "") -> AsyncIterator[LockInfo]:
+        """Every held name starting with ``prefix``, in name order:
+        ``[info async for info in store.list(prefix="d:")]``."""
+        return self.backend.list(self._list_prefix(prefix))
+
+    async def force_release(self, name: str) -> bool:
+        """Drop every lease on ``name``, whoever holds it. The operator's lever: latchkey
+        never calls it by itself. True if a live lease was dropped."""
+        return await self.backend.force_release(validate_name(name))
+
+    async def purge_expired(self) -> int:
+        """Delete expired lease rows (fencing counters stay); return how many."""
+        return await self.backend.purge_expired()
+
+    # -- records -----------------------------------------------------------------------------
+
+    def record(self, name: str) -> AsyncRecord:
+        """A versioned JSON record for optimistic updates (seed 003)."""
+        return AsyncRecord(self, self._record_name(name))
+
+    async def update(self, name: str, fn: Callable[[Any], Any], *, retries: int = 10) -> Any:
+        """Read-modify-write ``name`` with ``fn`` (sync or async) until it applies without a
+        conflict."""
+        return await self.record(name).update(fn, retries=retries)
+
+    # -- decorators --------------------------------------------------------------------------
+
+    def singleton(
+        self,
+        name: str,
+        *,
+        at_most: Duration,
+        at_least: Duration = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Callable[[F], F]:
+        """Run the ``async def`` only if nobody else is running it (ShedLock-style): the call
+        returns None when the lock is busy; the lock is held at most ``at_most`` and at least
+        ``at_least``."""
+        rule = self._singleton_rule(name, at_most, at_least, metadata)
+
+        def decorate(fn: F) -> F:
+            @functools.wraps(fn)
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                return await arun(self._singleton(rule, fn, args, kwargs), self.backend)
+
+            return call  # type: ignore[return-value]
+
+        return decorate
+
+    def locked(
+        self,
+        name: str,
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration | None = None,
+        renew: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Callable[[F], F]:
+        """Hold the lock ``name.format(**arguments)`` while the ``async def`` runs."""
+        template = self._locked_template(name)
+
+        def decorate(fn: F) -> F:
+            signature = _inspect.signature(fn)
+
+            @functools.wraps(fn)
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                lock_name = self._locked_name(template, fn, signature, args, kwargs)
+                lock = self.lock(lock_name, ttl=ttl, wait=wait, renew=renew, metadata=metadata)
+                return await arun(self._locked(lock, fn, args, kwargs), self.backend)
+
+            return call  # type: ignore[return-value]
+
+        return decorate
+
+    # -- health and lifecycle ----------------------------------------------------------------
+
+    async def now(self) -> datetime:
+        """The store's clock (UTC)."""
+        return await self.backend.now()
+
+    async def check(self, samples: int = 5) -> Health:
+        """Reach the store, read its clock, and acquire/inspect/release a probe lease."""
+        return await arun(self._check(samples), self.backend)
+
+    async def init(self) -> None:
+        """Create the store's tables/indexes now (they are otherwise created on first use)."""
+        await self.backend.init()
+
+    async def aclose(self) -> None:
+        """Close connections. Session-tied locks (advisory, GET_LOCK) end with them."""
+        await self.backend.aclose()
+
+    async def __aenter__(self) -> AsyncStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<latchkey.AsyncStore {self.url}>"

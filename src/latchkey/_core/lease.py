@@ -1,0 +1,269 @@
+"""The lease rules, once for every store and both APIs: acquiring with try/wait/timeout, the
+holder's local deadline and drift margin, extend, release, renewal, lost versus unavailable.
+
+:class:`LeaseCore` holds one lock's (or semaphore slot's) parameters and state. Its operations
+are generators of :mod:`latchkey._core.ops`; the sync :class:`latchkey.Lock` and the asyncio
+:class:`latchkey.AsyncLock` subclass it and only drive them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from latchkey._core.ops import RENEW, UNRENEW, Op, Steps, call
+from latchkey._core.waiting import Attempts, wait_for
+from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
+from latchkey._owner import current_owner_json, new_owner_token
+from latchkey._types import Busy, Grant, Holder
+from latchkey.errors import LatchkeyError, LockLost, LockTimeout
+from latchkey.stores.base import Capabilities
+
+log = logging.getLogger("latchkey")
+
+#: The default of ``acquire(wait=...)``: the lock's own ``wait``.
+UNSET: Any = object()
+
+
+def drift_margin(ttl: float) -> float:
+    """How much earlier than the store the holder gives up its lease: 1% of the TTL + 2 ms,
+    for clock-rate drift and the time the store took to start the lease after we sent it."""
+    return min(ttl * 0.01 + 0.002, ttl / 2)
+
+
+def describe_holder(holder: Holder | None) -> str:
+    if holder is None:
+        return "another holder"
+    parts = [f"held by {holder.owner}"]
+    if holder.token is not None:
+        parts.append(f"token {holder.token}")
+    if holder.expires_at is not None:
+        parts.append(f"until {holder.expires_at.isoformat(timespec='milliseconds')}")
+    return ", ".join(parts)
+
+
+class LeaseCore:
+    """One lease's parameters and state, and its rules as generators. Not public: see
+    :class:`latchkey.Lock` and :class:`latchkey.AsyncLock`."""
+
+    kind = "lock"
+
+    def __init__(
+        self,
+        capabilities: Capabilities,
+        name: str,
+        *,
+        ttl: Duration,
+        wait: Duration | None,
+        renew: bool,
+        metadata: Mapping[str, Any],
+        limit: int = 1,
+    ) -> None:
+        self._caps = capabilities
+        self.name = name
+        self.ttl = parse_ttl(ttl)
+        self.wait = parse_wait(wait)
+        self.renew = bool(renew)
+        self.metadata = dict(metadata)
+        self._metadata_json = json.dumps(self.metadata, sort_keys=True) if self.metadata else ""
+        self.limit = limit
+        #: Fencing token of the current lease (None when not held or the store has no fencing).
+        self.token: int | None = None
+        #: When the current lease ends by the store's clock (None: not held, or no TTL).
+        self.expires_at: datetime | None = None
+        #: Who held the name when the last acquire gave up (for messages).
+        self.holder: Holder | None = None
+        self._owner: str | None = None
+        self._deadline: float | None = None
+        self._lost_reason: str | None = None
+        #: The shell's renewer (a thread or a task) while one runs; see ops.RENEW.
+        self._renewer: Any = None
+        self._state = threading.Lock()
+
+    # -- state (no I/O) ----------------------------------------------------------------------
+
+    @property
+    def held(self) -> bool:
+        """True between a successful acquire and release (even if the lease was lost since)."""
+        return self._owner is not None
+
+    @property
+    def lost(self) -> bool:
+        """True if we acquired the lease and can no longer be sure it is ours: the local
+        deadline passed, renewal failed, or an extend found it gone."""
+        if self._owner is None:
+            return False
+        if self._lost_reason is not None:
+            return True
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def check(self) -> None:
+        """Raise :class:`LockLost` unless the lease is held and still ours by our own clock.
+        Asks nothing of the store: call it before each step that needs the lock."""
+        if self._owner is None:
+            raise LockLost(f"{self.kind} {self.name!r} is not held")
+        if self.lost:
+            raise LockLost(
+                f"{self.kind} {self.name!r} was lost: {self._lost_reason or 'lease expired'}"
+            )
+
+    def remaining(self) -> float | None:
+        """Seconds until our local deadline (0 when lost or not held; None: no TTL)."""
+        if self._owner is None or self._lost_reason is not None:
+            return 0.0
+        if self._deadline is None:
+            return None
+        return max(0.0, self._deadline - time.monotonic())
+
+    # -- the rules (generators) --------------------------------------------------------------
+
+    def _acquire(self, wait: Duration | None = UNSET) -> Steps[bool]:
+        if self._owner is not None:
+            raise LatchkeyError(f"{self.kind} {self.name!r} is already held by this object")
+        wait_s = self.wait if wait is UNSET else parse_wait(wait)
+        owner = new_owner_token()
+        args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
+        sent = time.monotonic()
+        try:
+            result = yield Op(0, None, "acquire", args)
+            if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
+                caps = self._caps
+                attempts = Attempts(args, time.monotonic, sent)
+                result = yield from wait_for(
+                    attempts,
+                    result,
+                    wait=wait_s,
+                    limit=self.limit,
+                    push=caps.push,
+                    blocking=caps.blocking and self.limit == 1,
+                )
+                sent = attempts.sent
+        except LatchkeyError:
+            raise
+        except BaseException:
+            # Cancelled or interrupted with a request in flight: the store may have granted
+            # it. Give back whatever this owner may hold, so that nothing stays held.
+            with contextlib.suppress(Exception):
+                yield call("release", self.name, owner)
+            raise
+        if type(result) is not Grant:
+            assert isinstance(result, Busy), result
+            self.holder = result.holder
+            return False
+        with self._state:
+            self._owner = owner
+            self._lost_reason = None
+            self.holder = None
+            self._granted(result, sent, self.ttl)
+        if self.renew:
+            yield Op(RENEW, self)
+        return True
+
+    def _release(self) -> Steps[bool]:
+        owner = self._owner
+        if owner is None:
+            return False
+        if self._renewer is not None:
+            yield Op(UNRENEW, self)
+        try:
+            return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
+        finally:
+            self._forget()
+
+    def _extend(self, ttl: Duration | None = None) -> Steps[None]:
+        self.check()
+        ttl_s = self.ttl if ttl is None else parse_ttl(ttl)
+        sent = time.monotonic()
+        assert self._owner is not None
+        grant = yield call("extend", self.name, self._owner, ttl_s)
+        with self._state:
+            if grant is None:
+                self._lost_reason = (
+                    "the store no longer has our lease (its session ended)"
+                    if self._caps.session_tied
+                    else "the store no longer has our lease (expired or released)"
+                )
+                raise LockLost(f"{self.kind} {self.name!r} was lost: {self._lost_reason}")
+            self._granted(grant, sent, ttl_s)
+
+    def _end(self, keep: float) -> Steps[bool]:
+        """Finish with the lease: release it now, or, when ``keep`` seconds of an at-least
+        period remain, leave it in the store for those seconds and let it expire there (the
+        singleton's ``at_least`` and ``latchkey run --at-least``). False if the lease had
+        already ended (expired, released or taken)."""
+        if keep <= 0.001 or self.lost or not self._caps.ttl:
+            return (yield from self._release())
+        if self._renewer is not None:
+            yield Op(UNRENEW, self)
+        try:
+            yield from self._extend(keep)
+            return True
+        except LockLost:
+            return False
+        finally:
+            self._forget()
+
+    def _renew_step(self) -> Steps[float | None]:
+        """One renewal: extend the lease; return the seconds until the next one, or None
+        when renewing must stop (the lease is lost: marked so, with the reason)."""
+        try:
+            yield from self._extend()
+            return self.ttl / 3
+        except LockLost as exc:
+            self._mark_lost(str(exc))
+            return None
+        except LatchkeyError as exc:  # StoreUnavailable and the like: retry while time is left
+            left = self.remaining()
+            left = float("inf") if left is None else left
+            if left <= 0:
+                self._mark_lost(f"could not renew before the lease ended: {exc}")
+                return None
+            log.warning("renewing %r failed, retrying: %s", self.name, exc)
+            return min(self.ttl / 3, max(left / 4, 0.05))
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _granted(self, grant: Grant, sent: float, ttl: float) -> None:
+        self.token = grant.token if grant.token is not None else self.token
+        self.expires_at = grant.expires_at
+        if self._caps.ttl:
+            left = ttl if grant.remaining is None else min(ttl, grant.remaining)
+            self._deadline = sent + left - drift_margin(ttl)
+        else:
+            self._deadline = None
+
+    def _forget(self) -> None:
+        with self._state:
+            self._owner = None
+            self._deadline = None
+            self._lost_reason = None
+            self.token = None
+            self.expires_at = None
+
+    def _mark_lost(self, reason: str) -> None:
+        with self._state:
+            if self._owner is not None and self._lost_reason is None:
+                self._lost_reason = reason
+
+    def _timeout_error(self, wait: float | None) -> LockTimeout:
+        waited = "" if not wait else f" after waiting {format_duration(wait)}"
+        return LockTimeout(
+            f"{self.kind} {self.name!r} is busy{waited}: {describe_holder(self.holder)}",
+            name=self.name,
+            holder=self.holder,
+        )
+
+    def _enter(self) -> Steps[None]:
+        if not (yield from self._acquire()):
+            raise self._timeout_error(self.wait)
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost else "held" if self.held else "free"
+        token = f" token={self.token}" if self.token is not None else ""
+        return f"<{type(self).__name__} {self.name!r} {state}{token}>"

@@ -1,0 +1,200 @@
+"""What :class:`latchkey.Store` and :class:`latchkey.AsyncStore` share: input validation, the
+decorators' rules (singleton, locked), the health check, and the capability checks. I/O-free:
+the operations are generators (see :mod:`latchkey._core.ops`)."""
+
+from __future__ import annotations
+
+import inspect as _inspect
+import logging
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from latchkey._core.ops import Steps, call, user
+from latchkey._durations import Duration, parse_duration, parse_ttl
+from latchkey._names import validate_name
+from latchkey._owner import check_metadata
+from latchkey.errors import ConfigError, LockLost, Unsupported
+from latchkey.stores.base import Capabilities
+
+if TYPE_CHECKING:
+    from latchkey._core.lease import LeaseCore
+
+log = logging.getLogger("latchkey")
+
+#: The lease length when ``ttl=`` is not given.
+DEFAULT_TTL = 60.0
+
+
+def check_limit(limit: object) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"limit must be a whole number ≥ 1, got {limit!r}")
+    return limit
+
+
+@dataclass(frozen=True)
+class Health:
+    """What ``Store.check()`` measured."""
+
+    url: str
+    round_trip: float
+    """Median seconds for one store round trip (a clock read)."""
+    clock_offset: float
+    """Store clock minus local clock, seconds (positive: the store is ahead)."""
+    probe: float
+    """Seconds to acquire, inspect and release a probe lease."""
+    capabilities: Capabilities
+
+
+@dataclass(frozen=True)
+class SingletonRule:
+    name: str
+    at_most: float
+    at_least: float
+    metadata: dict[str, Any]
+
+
+class StoreCore:
+    """The store-wide rules; the shells add the blocking or awaiting methods."""
+
+    capabilities: Capabilities
+    scheme: str
+    url: str
+
+    def lock(
+        self,
+        name: str,
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration | None = None,
+        renew: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> LeaseCore:
+        """The shells return their own Lock."""
+        raise NotImplementedError
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _semaphore_limit(self, limit: object) -> int:
+        limit = check_limit(limit)
+        if limit > 1 and not self.capabilities.semaphores:
+            raise Unsupported(f"the {self.scheme} store does not support semaphores")
+        return limit
+
+    def _claim_args(
+        self, names: Iterable[str], ttl: Duration, metadata: Mapping[str, Any] | None
+    ) -> tuple[float, dict[str, Any]]:
+        if isinstance(names, str):
+            raise ConfigError("claim() takes an iterable of names, not one str")
+        if not self.capabilities.claims:
+            raise Unsupported(f"the {self.scheme} store does not support batch claims")
+        return parse_ttl(ttl), check_metadata(metadata)
+
+    def _list_prefix(self, prefix: object) -> str:
+        if not self.capabilities.listing:
+            raise Unsupported(f"the {self.scheme} store cannot list locks")
+        if not isinstance(prefix, str):
+            raise ConfigError(f"prefix must be a str, got {prefix!r}")
+        return prefix
+
+    def _record_name(self, name: str) -> str:
+        if not self.capabilities.records:
+            raise Unsupported(f"the {self.scheme} store does not support versioned records")
+        return validate_name(name)
+
+    # -- decorators --------------------------------------------------------------------------
+
+    @staticmethod
+    def _singleton_rule(
+        name: str, at_most: Duration, at_least: Duration, metadata: Mapping[str, Any] | None
+    ) -> SingletonRule:
+        validate_name(name)
+        most = parse_ttl(at_most, what="at_most")
+        least = parse_duration(at_least, what="at_least")
+        if least > most:
+            raise ConfigError(f"at_least ({at_least!r}) must not exceed at_most ({at_most!r})")
+        return SingletonRule(name, most, least, check_metadata(metadata))
+
+    def _singleton(
+        self, rule: SingletonRule, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Steps[Any]:
+        """Run ``fn`` only if nobody else is: None (logged at INFO) when the lock is busy;
+        the lock kept ``at_least`` after the start, even when ``fn`` finished sooner."""
+        lock = self.lock(rule.name, ttl=rule.at_most, wait=0, metadata=rule.metadata)
+        started = time.monotonic()
+        if not (yield from lock._acquire()):
+            from latchkey._core.lease import describe_holder
+
+            log.info("skipped %s: %r is %s", _qualname(fn), rule.name, describe_holder(lock.holder))
+            return None
+        try:
+            return (yield user(fn, *args, **kwargs))
+        finally:
+            if not (yield from lock._end(rule.at_least - (time.monotonic() - started))):
+                log.warning("%r expired while the job ran (at_most too short?)", rule.name)
+
+    @staticmethod
+    def _locked_template(name: object) -> str:
+        if not isinstance(name, str) or not name:
+            raise ConfigError("locked() needs a non-empty name template")
+        return name
+
+    @staticmethod
+    def _locked_name(
+        template: str, fn: Callable[..., Any], signature: _inspect.Signature, args: Any, kw: Any
+    ) -> str:
+        bound = signature.bind(*args, **kw)
+        bound.apply_defaults()
+        try:
+            return template.format(**bound.arguments)
+        except (KeyError, IndexError, AttributeError) as exc:
+            raise ConfigError(
+                f"locked({template!r}): cannot fill the name from {_qualname(fn)}'s "
+                f"arguments: {exc!r}"
+            ) from None
+
+    @staticmethod
+    def _locked(
+        lock: LeaseCore, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Steps[Any]:
+        yield from lock._enter()
+        try:
+            return (yield user(fn, *args, **kwargs))
+        finally:
+            yield from lock._release()
+
+    # -- health ------------------------------------------------------------------------------
+
+    def _check(self, samples: int) -> Steps[Health]:
+        """Reach the store, read its clock, and acquire/inspect/release a probe lease."""
+        trips: list[float] = []
+        offsets: list[float] = []
+        for _ in range(max(1, samples)):
+            before_wall, before = time.time(), time.monotonic()
+            store_now = yield call("now")
+            trip = time.monotonic() - before
+            trips.append(trip)
+            offsets.append(store_now.timestamp() - (before_wall + trip / 2))
+        started = time.monotonic()
+        probe = self.lock(f"latchkey:check:{uuid.uuid4().hex}", ttl=30, wait=0)
+        if not (yield from probe._acquire()):
+            raise LockLost("check: a fresh probe name was reported busy")
+        try:
+            if self.capabilities.ttl and (yield call("inspect", probe.name)) is None:
+                raise LockLost("check: the probe lease was not visible after acquire")
+        finally:
+            yield from probe._release()
+        return Health(
+            self.url,
+            statistics.median(trips),
+            statistics.median(offsets),
+            time.monotonic() - started,
+            self.capabilities,
+        )
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", repr(fn)))

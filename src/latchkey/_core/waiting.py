@@ -1,0 +1,169 @@
+"""Blocking waits: a monotonic deadline and capped exponential backoff with full jitter.
+
+I/O-free: the store is reached only through yielded operations (``acquire``,
+``acquire_blocking``, ``wait_in_line`` and the waiter's ``wait``/``take_grant``/``finish``/
+``close``); pauses are yielded too. The clock and the random source are injectable, so unit
+tests drive this with a fake clock (``tests/unit/test_waiting.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from latchkey._core.ops import Steps, call, on, sleep
+from latchkey._types import Busy, Grant
+
+#: First retry delay, its cap when the store pushes release notices (the poll is then only a
+#: safety net for a lost notice), and its cap when it does not.
+INITIAL_DELAY = 0.005
+CAP_WITH_PUSH = 1.0
+CAP_POLLING = 0.25
+#: After this many attempts that lost a race for a free slot, back off like a busy answer.
+MAX_IMMEDIATE_RETRIES = 3
+#: A store-side wait that answered busy sooner than this (and before the deadline) did not
+#: really wait: the loop then sleeps one backoff delay, so it can never spin.
+MIN_BLOCK = 0.001
+
+
+class Backoff:
+    """Capped exponential delays with jitter: each delay is uniform in [d/2, d]."""
+
+    def __init__(
+        self,
+        initial: float = INITIAL_DELAY,
+        cap: float = CAP_POLLING,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.initial = initial
+        self.cap = cap
+        self._current = initial
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        delay = self._current
+        self._current = min(self.cap, self._current * 2)
+        return self._rng.uniform(delay / 2, delay)
+
+    def reset(self) -> None:
+        self._current = self.initial
+
+
+class Attempts:
+    """The acquire attempts of one wait, all for the same owner; remembers when the last one
+    was sent (the holder's local deadline counts from there)."""
+
+    __slots__ = ("args", "clock", "sent")
+
+    def __init__(self, args: tuple[Any, ...], clock: Callable[[], float], sent: float) -> None:
+        self.args = args  # (name, owner, owner_info, ttl, limit)
+        self.clock = clock
+        self.sent = sent
+
+    def attempt(self) -> Steps[Grant | Busy]:
+        self.sent = self.clock()
+        return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
+
+    def block(self, timeout: float | None) -> Steps[Grant | Busy]:
+        self.sent = self.clock()
+        return (yield call("acquire_blocking", *self.args, timeout))  # type: ignore[no-any-return]
+
+
+def wait_for(
+    attempts: Attempts,
+    first: Busy,
+    *,
+    wait: float | None,
+    limit: int,
+    push: bool,
+    blocking: bool,
+    rng: random.Random | None = None,
+) -> Steps[Grant | Busy]:
+    """Attempt until a grant, or until ``wait`` seconds pass (None: no limit), after a
+    ``first`` attempt that found the name busy.
+
+    Before the second attempt the store is asked for a waiter (``wait_in_line``), so a release
+    between an attempt and the wait is never missed; a store without push answers None and
+    the loop polls. A Busy with fewer holders than ``limit`` lost a race for a free slot: retry
+    at once, a few times. Pauses never exceed the holder's remaining lease as the store
+    reported it, nor the caller's deadline.
+
+    With ``blocking`` (stores whose server holds a waiter until the release: PostgreSQL
+    advisory locks, GET_LOCK), every attempt after the first waits inside the store.
+    """
+    clock = attempts.clock
+    deadline = None if wait is None else clock() + wait
+    if blocking:
+        return (yield from _block_until(attempts, first, deadline, Backoff(rng=rng)))
+    backoff = Backoff(cap=CAP_WITH_PUSH if push else CAP_POLLING, rng=rng)
+    waiter = yield call("wait_in_line", *attempts.args)
+    try:
+        result = yield from _wait_with(waiter, attempts, deadline, limit, backoff)
+        if waiter is not None:
+            yield on(waiter, "finish", result)
+        return result
+    finally:
+        if waiter is not None:
+            yield on(waiter, "close")
+
+
+def _wait_with(
+    waiter: Any,
+    attempts: Attempts,
+    deadline: float | None,
+    limit: int,
+    backoff: Backoff,
+) -> Steps[Grant | Busy]:
+    clock = attempts.clock
+    races = 0
+    while True:
+        result = yield from attempts.attempt()
+        if type(result) is Grant:
+            return result
+        assert isinstance(result, Busy)
+        remaining = None if deadline is None else deadline - clock()
+        if remaining is not None and remaining <= 0:
+            return result
+        if result.holders < limit and races < MAX_IMMEDIATE_RETRIES:
+            races += 1
+            continue
+        races = 0
+        delay = backoff.next()
+        if result.retry_after is not None:
+            delay = min(delay, max(result.retry_after, 0.0) + 0.001)
+        if remaining is not None:
+            delay = min(delay, remaining)
+        if waiter is None:
+            yield sleep(delay)
+        elif (yield on(waiter, "wait", delay)):
+            grant = yield on(waiter, "take_grant")
+            if grant is not None:  # the release handed the lease straight to us
+                return grant  # type: ignore[no-any-return]
+            backoff.reset()
+
+
+def _block_until(
+    attempts: Attempts, result: Busy, deadline: float | None, backoff: Backoff
+) -> Steps[Grant | Busy]:
+    """The store waits for us: ask it to until it grants or the deadline passes."""
+    clock = attempts.clock
+    while True:
+        started = clock()
+        remaining = None if deadline is None else deadline - started
+        if remaining is not None and remaining <= 0:
+            return result
+        answer = yield from attempts.block(remaining)
+        if type(answer) is Grant:
+            return answer
+        assert isinstance(answer, Busy)
+        result = answer
+        now = clock()
+        if now - started < MIN_BLOCK and (deadline is None or now < deadline):
+            delay = backoff.next()
+            yield sleep(delay if deadline is None else min(delay, deadline - now))
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,103 @@
+"""The sync runner: drives a core generator (``latchkey._core``) with blocking calls.
+
+Its asyncio twin is :mod:`latchkey._async._run`; the two differ only in how each operation
+is carried out (a call or an await, ``time.sleep`` or ``asyncio.sleep``, a thread or a task).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Op, Steps
+
+if TYPE_CHECKING:
+    from latchkey._core.lease import LeaseCore
+    from latchkey.stores.base import Backend
+
+T = TypeVar("T")
+
+
+def run(steps: Steps[T], backend: Backend) -> T:
+    """Run ``steps`` to its end, doing each operation it yields; return its value. An error
+    raised by an operation is thrown into the generator (so its ``finally`` can clean up)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            op = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = None
+        try:
+            if op.kind == CALL:  # the common case, inline
+                value = getattr(backend if op.target is None else op.target, op.method)(*op.args)
+            else:
+                value = _do(op, backend)
+        except BaseException as exc:
+            value, error = None, exc
+
+
+def _do(op: Op, backend: Backend) -> Any:
+    kind = op.kind
+    if kind == SLEEP:
+        time.sleep(max(0.0, op.args[0]))
+        return None
+    if kind == USER:
+        return op.target(*op.args)
+    if kind == RENEW:
+        lease = op.target
+        lease._renewer = Renewer(lease, backend)
+        return None
+    if kind == UNRENEW:
+        lease = op.target
+        renewer, lease._renewer = lease._renewer, None
+        if renewer is not None:
+            renewer.stop()
+        return None
+    raise AssertionError(f"unknown operation {op!r}")
+
+
+def _stopper(stop: threading.Event) -> Callable[[object], None]:
+    """A weakref callback that sets ``stop`` (and holds nothing else)."""
+    return lambda _ref: stop.set()
+
+
+class Renewer:
+    """The background renewer of a ``renew=True`` lease: one daemon thread that runs the
+    lease's renewal step (``LeaseCore._renew_step``) every ttl/3 until it is stopped or the
+    lease is lost. It holds only a weak reference to the lease, so a forgotten lock object is
+    not kept alive by its renewer, and its collection stops the thread."""
+
+    def __init__(self, lease: LeaseCore, backend: Backend) -> None:
+        self._stop = threading.Event()
+        self._ref = weakref.ref(lease, _stopper(self._stop))
+        self._backend = backend
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(lease.ttl / 3,),
+            name=f"latchkey-renew:{lease.name[:40]}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self, delay: float) -> None:
+        while not self._stop.wait(delay):
+            lease = self._ref()
+            if lease is None:
+                return
+            try:
+                next_delay = run(lease._renew_step(), self._backend)
+            finally:
+                del lease
+            if next_delay is None:
+                return
+            delay = next_delay
