@@ -34,8 +34,8 @@ _ADV, _GL = "latchkey.stores.pg_advisory", "latchkey.stores.mysql_getlock"
 
 # scheme: (sync module:class, asyncio module:class or None, the extra that installs its driver)
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
-    "memory": (f"{_MEM}:MemoryBackend", f"{_MEM}:AsyncMemoryBackend", None),
-    "sqlite": (f"{_LITE}:SQLiteBackend", f"{_LITE}:AsyncSQLiteBackend", None),
+    "memory": (f"{_MEM}:MemoryBackend", f"{_MEM}_async:AsyncMemoryBackend", None),
+    "sqlite": (f"{_LITE}:SQLiteBackend", f"{_LITE}_async:AsyncSQLiteBackend", None),
     "postgresql": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
     "postgres": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
     "postgresql+advisory": (f"{_ADV}:AdvisoryBackend", None, "postgresql"),
