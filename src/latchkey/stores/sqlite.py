@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -149,7 +150,7 @@ class SQLiteBackend(Backend):
                 self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False
             )
             try:
-                conn.execute("PRAGMA journal_mode=WAL")
+                _set_wal(conn, self.timeout)
                 conn.execute(f"PRAGMA synchronous={self.config['synchronous'].upper()}")
                 conn.executescript(CREATE.format(t=self.table, version=SCHEMA_VERSION))
             except sqlite3.Error:
@@ -357,6 +358,21 @@ class _Tx:
         assert self.conn is not None
         with self.backend.translate(self.action, (sqlite3.Error,)):
             self.conn.executemany(self.backend._sql[key], rows)
+
+
+def _set_wal(conn: sqlite3.Connection, timeout: float) -> None:
+    """Put the file in WAL mode (it stays so). Two processes opening a new file at once can
+    both try; the loser gets "database is locked" at once, without SQLite's busy handler, so
+    it tries again (within the store's timeout): the other one's change is as good."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _ms(seconds: float) -> int:
