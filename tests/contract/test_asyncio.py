@@ -4,6 +4,7 @@ waiting without freezing the loop or holding threads, cancellation, renewal as a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -56,7 +57,7 @@ def test_a_waiting_handler_does_not_freeze_the_loop(store_url: str, name: str) -
         done.set()
         await background
         assert ticks_while_waiting >= 10  # about 50 in 0.5 s when the loop is free
-        gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
         assert max(gaps) < 0.4, f"the loop stalled for {max(gaps):.2f}s"
 
     _run(store_url, body)
