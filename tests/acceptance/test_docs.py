@@ -41,6 +41,8 @@ OWN_PAGES = [
     "howto/event-queue-daemons.md",
     "howto/scheduled-task-and-json-merge.md",
     "howto/deploy-migrations.md",
+    "howto/asyncio.md",
+    "concepts/architecture.md",
     "concepts/leases-and-fencing.md",
     "concepts/waiting.md",
     "concepts/guarantees.md",
