@@ -93,6 +93,39 @@ class LatchkeySubject:
         self.store.close()
 
 
+class LatchkeyAsyncHandle:
+    def __init__(self, subject: LatchkeyAsyncSubject, lock: Any) -> None:
+        self.subject, self.lock = subject, lock
+
+    def acquire(self, timeout: float) -> bool:
+        return bool(self.subject.loop.run_until_complete(self.lock.acquire(wait=timeout)))
+
+    def release(self) -> None:
+        self.subject.loop.run_until_complete(self.lock.release())
+
+
+class LatchkeyAsyncSubject:
+    """latchkey's asyncio API for the hand-off scenario (B): the waiter awaits its acquire in
+    an event loop. (Uncontended pairs are measured inside one coroutine instead, by
+    bench/asyncrows.py, so that no loop entry is counted per call.)"""
+
+    def __init__(self, url: str) -> None:
+        import asyncio
+
+        import latchkey
+
+        self.loop = asyncio.new_event_loop()
+        self.store = latchkey.connect_async(url)
+        self.loop.run_until_complete(self.store.init())
+
+    def make(self, name: str) -> Handle:
+        return LatchkeyAsyncHandle(self, self.store.lock(name, ttl=TTL))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.store.aclose())
+        self.loop.close()
+
+
 #: latchkey's URL for each store, given the servers' base URLs.
 LATCHKEY_URLS: dict[str, Callable[[dict[str, str]], str]] = {
     "redis": lambda env: env["redis"] + "?prefix=bench:",
@@ -123,6 +156,16 @@ for _store, _url in LATCHKEY_URLS.items():
             "latchkey",
             lambda env, _url=_url: LatchkeySubject(_url(env)),  # type: ignore[misc]
             frozenset({"A", "B", "C", "D", "claim"}),
+        )
+    )
+    register(
+        Spec(
+            f"{_store}/latchkey-async",
+            _store,
+            "latchkey (asyncio)",
+            "latchkey-async",  # a kind run.py does not select: bench/asyncrows.py uses it
+            lambda env, _url=_url: LatchkeyAsyncSubject(_url(env)),  # type: ignore[misc]
+            frozenset({"B"}),
         )
     )
 
