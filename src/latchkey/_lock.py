@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from latchkey._core.lease import UNSET, LeaseCore, describe_holder, drift_margin
 from latchkey._durations import Duration
@@ -25,28 +24,7 @@ class Lock(LeaseCore):
     .. versionadded:: 0.1
     """
 
-    def __init__(
-        self,
-        store: Store,
-        name: str,
-        *,
-        ttl: Duration,
-        wait: Duration | None,
-        renew: bool,
-        metadata: Mapping[str, Any],
-        limit: int = 1,
-    ) -> None:
-        super().__init__(
-            store.backend.capabilities,
-            name,
-            ttl=ttl,
-            wait=wait,
-            renew=renew,
-            metadata=metadata,
-            limit=limit,
-        )
-        self.store = store
-        self._backend = store.backend
+    store: Store
 
     def acquire(self, wait: Duration | None = UNSET) -> bool:
         """Take the lease. Waits up to ``wait`` (default: the lock's own; None: forever).

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Op, Steps
+from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Steps
 
 if TYPE_CHECKING:
     from latchkey._core.lease import LeaseCore
@@ -33,32 +33,32 @@ def run(steps: Steps[T], backend: Backend) -> T:
             return stop.value  # type: ignore[no-any-return]
         error = None
         try:
-            if op.kind == CALL:  # the common case, inline
-                value = getattr(backend if op.target is None else op.target, op.method)(*op.args)
+            kind, target, method, args = op
+            if kind == CALL:  # the common case, inline
+                value = getattr(backend if target is None else target, method)(*args)
             else:
-                value = _do(op, backend)
+                value = _do(kind, target, args, backend)
         except BaseException as exc:
             value, error = None, exc
 
 
-def _do(op: Op, backend: Backend) -> Any:
-    kind = op.kind
+def _do(kind: int, target: Any, args: tuple[Any, ...], backend: Backend) -> Any:
     if kind == SLEEP:
-        time.sleep(max(0.0, op.args[0]))
+        time.sleep(max(0.0, args[0]))
         return None
     if kind == USER:
-        return op.target(*op.args)
+        return target(*args)
     if kind == RENEW:
-        lease = op.target
+        lease = target
         lease._renewer = Renewer(lease, backend)
         return None
     if kind == UNRENEW:
-        lease = op.target
+        lease = target
         renewer, lease._renewer = lease._renewer, None
         if renewer is not None:
             renewer.stop()
         return None
-    raise AssertionError(f"unknown operation {op!r}")
+    raise AssertionError(f"unknown operation {kind!r}")
 
 
 def _stopper(stop: threading.Event) -> Callable[[object], None]:

@@ -82,12 +82,13 @@ def drive(steps: Steps[Any], store: FakeStore) -> Any:
             op = steps.send(value)
         except StopIteration as stop:
             return stop.value
-        if op.kind == CALL:
-            value = getattr(store if op.target is None else op.target, op.method)(*op.args)
+        kind, target, method, args = op
+        if kind == CALL:
+            value = getattr(store if target is None else target, method)(*args)
         else:
-            assert op.kind == SLEEP
-            store.slept.append(op.args[0])
-            store.clock.now += op.args[0]
+            assert kind == SLEEP
+            store.slept.append(args[0])
+            store.clock.now += args[0]
             value = None
 
 
@@ -238,11 +239,11 @@ def test_the_waiter_is_closed_when_the_store_fails() -> None:
         Attempts(ARGS, clock, 0.0), Busy(1), wait=5, limit=1, push=True, blocking=False
     )
     op = steps.send(None)  # wait_in_line
-    assert op.method == "wait_in_line"
+    assert op[2] == "wait_in_line"
     op = steps.send(waiter)  # the next attempt
-    assert op.method == "acquire"
+    assert op[2] == "acquire"
     op = steps.throw(ConnectionError("gone"))  # the attempt failed: the waiter is closed...
-    assert (op.target, op.method) == (waiter, "close")
+    assert op[1:3] == (waiter, "close")
     try:
         steps.send(None)  # ...and the error goes on to the caller
     except ConnectionError:

@@ -12,7 +12,7 @@ import inspect
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Op, Steps
+from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Steps
 
 if TYPE_CHECKING:
     from latchkey._core.lease import LeaseCore
@@ -33,34 +33,33 @@ async def arun(steps: Steps[T], backend: AsyncBackend) -> T:
             return stop.value  # type: ignore[no-any-return]
         error = None
         try:
-            if op.kind == CALL:
-                target = backend if op.target is None else op.target
-                value = await getattr(target, op.method)(*op.args)
+            kind, target, method, args = op
+            if kind == CALL:
+                value = await getattr(backend if target is None else target, method)(*args)
             else:
-                value = await _do(op, backend)
+                value = await _do(kind, target, args, backend)
         except BaseException as exc:
             value, error = None, exc
 
 
-async def _do(op: Op, backend: AsyncBackend) -> Any:
-    kind = op.kind
+async def _do(kind: int, target: Any, args: tuple[Any, ...], backend: AsyncBackend) -> Any:
     if kind == SLEEP:
-        await asyncio.sleep(max(0.0, op.args[0]))
+        await asyncio.sleep(max(0.0, args[0]))
         return None
     if kind == USER:
-        result = op.target(*op.args)
+        result = target(*args)
         return (await result) if inspect.isawaitable(result) else result
     if kind == RENEW:
-        lease = op.target
+        lease = target
         lease._renewer = AsyncRenewer(lease, backend)
         return None
     if kind == UNRENEW:
-        lease = op.target
+        lease = target
         renewer, lease._renewer = lease._renewer, None
         if renewer is not None:
             await renewer.stop()
         return None
-    raise AssertionError(f"unknown operation {op!r}")
+    raise AssertionError(f"unknown operation {kind!r}")
 
 
 class AsyncRenewer:

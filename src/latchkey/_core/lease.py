@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from latchkey._core.ops import RENEW, UNRENEW, Op, Steps, call
+from latchkey._core.ops import CALL, Steps, call, renew, unrenew
 from latchkey._core.waiting import Attempts, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
 from latchkey._owner import current_owner_json, new_owner_token
@@ -56,7 +56,7 @@ class LeaseCore:
 
     def __init__(
         self,
-        capabilities: Capabilities,
+        store: Any,
         name: str,
         *,
         ttl: Duration,
@@ -65,7 +65,10 @@ class LeaseCore:
         metadata: Mapping[str, Any],
         limit: int = 1,
     ) -> None:
-        self._caps = capabilities
+        #: The Store (or AsyncStore) that made this lease.
+        self.store = store
+        self._backend = store.backend
+        self._caps: Capabilities = self._backend.capabilities
         self.name = name
         self.ttl = parse_ttl(ttl)
         self.wait = parse_wait(wait)
@@ -131,7 +134,7 @@ class LeaseCore:
         args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
         sent = time.monotonic()
         try:
-            result = yield Op(0, None, "acquire", args)
+            result = yield (CALL, None, "acquire", args)
             if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
                 caps = self._caps
                 attempts = Attempts(args, time.monotonic, sent)
@@ -162,7 +165,7 @@ class LeaseCore:
             self.holder = None
             self._granted(result, sent, self.ttl)
         if self.renew:
-            yield Op(RENEW, self)
+            yield renew(self)
         return True
 
     def _release(self) -> Steps[bool]:
@@ -170,7 +173,7 @@ class LeaseCore:
         if owner is None:
             return False
         if self._renewer is not None:
-            yield Op(UNRENEW, self)
+            yield unrenew(self)
         try:
             return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
         finally:
@@ -200,7 +203,7 @@ class LeaseCore:
         if keep <= 0.001 or self.lost or not self._caps.ttl:
             return (yield from self._release())
         if self._renewer is not None:
-            yield Op(UNRENEW, self)
+            yield unrenew(self)
         try:
             yield from self._extend(keep)
             return True
