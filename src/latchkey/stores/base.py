@@ -161,6 +161,10 @@ class Backend(BackendBase, abc.ABC):
         """Take a free slot of ``name`` (at most ``limit`` live leases) or report it busy.
 
         One round trip where the store allows it. Expired leases of ``name`` count as free.
+        An ``owner`` that already holds a live lease on ``name`` gets that lease back as it
+        is — its token, its expiry, ``Grant.remaining`` set, not renewed — never a second
+        slot (the core retries with the same owner after a hand-over; every store answers
+        alike, ``tests/contract/test_protocol.py``).
         """
 
     def acquire_blocking(

@@ -81,6 +81,9 @@ class MemoryBackend(Backend):
         with self._space.mutex:
             now = time.time()
             slots = self._live(name, now)
+            for lease in slots.values():
+                if lease.owner == owner:  # already ours: that lease, as it is
+                    return Grant(lease.token, _dt(lease.expires), lease.expires - now)
             free = next((s for s in range(limit) if s not in slots), None)
             if free is None:
                 soonest = min(slots.values(), key=lambda lease: lease.expires)

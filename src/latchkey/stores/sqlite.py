@@ -62,9 +62,10 @@ CREATE TABLE IF NOT EXISTS {t}_records (
 
 # Frees the expired slots of one name (inside acquire's transaction). In: name, now.
 DELETE_EXPIRED_OF = "DELETE FROM {t} WHERE name = ? AND expires_at <= ?"
-# The live slots of one name, soonest-expiring first. In: name. Out: slot, info, token, times.
+# The live slots of one name, soonest-expiring first. In: name. Out: slot, info, token, times,
+# owner.
 LIVE_OF = (
-    "SELECT slot, owner_info, token, acquired_at, expires_at FROM {t} "
+    "SELECT slot, owner_info, token, acquired_at, expires_at, owner FROM {t} "
     "WHERE name = ? ORDER BY expires_at"
 )
 # Takes the next fencing token(s). In: how many. Out: the last token taken.
@@ -176,6 +177,9 @@ class SQLiteBackend(Backend):
             now = tx.one("now")[0]
             tx.run("delete_expired_of", (key, now))
             live = tx.run("live_of", (key,))
+            for row in live:
+                if row[5] == owner:  # already ours: that lease, as it is
+                    return Grant(row[2], _dt(row[4]), (row[4] - now) / 1000)
             if len(live) >= limit:
                 soonest = live[0]
                 return Busy(len(live), _holder(soonest), (soonest[4] - now) / 1000)
