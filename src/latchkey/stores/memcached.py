@@ -538,6 +538,24 @@ def _server_instance(added: _Reply, current: _Reply) -> bytes | None:
     return current.value
 
 
+def _record_of(key: bytes, reply: _Reply) -> tuple[str | None, int, int]:
+    """A record's JSON text, version and CAS from a read of ``P record:N`` (absent: 0, 0)."""
+    if reply.code == b"EN":
+        return None, 0, 0
+    if reply.code != b"VA" or reply.value is None:
+        raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
+    try:
+        data = json.loads(reply.value)
+        return str(data["d"]), int(data["v"]), reply.flag(b"c")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError(f"unreadable record at {key!r}: {exc}") from None
+
+
+def _record_value(value: str, version: int) -> bytes:
+    """A record's item: ``{"v": version, "d": the JSON text}``."""
+    return json.dumps({"v": version, "d": value}, separators=(",", ":")).encode()
+
+
 _ERRORS = (OSError, ProtocolError)
 _Names = list[str]  # (the class below has a method named list)
 
@@ -970,16 +988,7 @@ class MemcachedBackend(_Layout[_Server], Backend):
     # -- versioned records: {"v": version, "d": JSON text}, CAS-checked writes ---------------
 
     def _record(self, conn: _Connection, key: bytes) -> tuple[str | None, int, int]:
-        reply = conn.exchange([READ % key])[0]
-        if reply.code == b"EN":
-            return None, 0, 0
-        if reply.code != b"VA" or reply.value is None:
-            raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
-        try:
-            data = json.loads(reply.value)
-            return str(data["d"]), int(data["v"]), reply.flag(b"c")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"unreadable record at {key!r}: {exc}") from None
+        return _record_of(key, conn.exchange([READ % key])[0])
 
     def record_get(self, name: str) -> tuple[str | None, int]:
         key = self._key("record", name)
@@ -991,7 +1000,7 @@ class MemcachedBackend(_Layout[_Server], Backend):
         return self._on(self._server(name), "record_set", self._record_set, key, value, version)
 
     def _record_set(self, conn: _Connection, key: bytes, value: str, version: int) -> int | None:
-        data = json.dumps({"v": version + 1, "d": value}, separators=(",", ":")).encode()
+        data = _record_value(value, version + 1)
         if version == 0:
             written = _stored(conn.exchange([ADD % (key, len(data), 0, data)])[0])
         else:
