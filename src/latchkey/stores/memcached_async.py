@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
+import select
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -25,6 +27,7 @@ from latchkey._url import StoreURL
 from latchkey.errors import Unsupported
 from latchkey.stores.base import AsyncBackend
 from latchkey.stores.memcached import (
+    _FRESH,
     ADD,
     DELETE,
     DELETE_IF,
@@ -91,10 +94,24 @@ class _Connection:
         self.reader, self.writer = reader, writer
         self.started = 0
         self.instance: bytes | None = None
+        self.idle_since = -math.inf  # when it went back to the pool (monotonic)
+        self._poll = select.poll()
+        self._poll.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
 
-    def usable(self) -> bool:
-        """False once the server closed it (the loop saw the end of the stream)."""
-        return not (self.reader.at_eof() or self.writer.is_closing())
+    def stale(self, now: float) -> bool:
+        """True if the server closed this idle connection (it never speaks unasked).
+
+        The loop notices an end of stream only when it next polls its sockets, which a
+        server restarted while this coroutine ran (a test's restart, say) has not let it do:
+        like the sync pool, a connection idle for more than ``_FRESH`` is polled itself."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            return True
+        if now - self.idle_since < _FRESH:
+            return False
+        try:
+            return bool(self._poll.poll(0))
+        except (OSError, ValueError):
+            return True
 
     async def send(self, data: bytes) -> None:
         """Write one batch of commands: each call starts one round trip."""
@@ -150,9 +167,10 @@ class _Server(_Clock):
         server's clock). The caller gives it back with :meth:`checkin`, or closes it."""
         await self.room.acquire()
         try:
+            now = time.monotonic()
             while self.idle:
                 conn = self.idle.pop()
-                if conn.usable():
+                if not conn.stale(now):
                     return conn
                 conn.close()  # the server restarted or dropped it: a fresh one, not an error
             return await self._open()
@@ -167,6 +185,7 @@ class _Server(_Clock):
             if self.closed:
                 conn.close()
             else:
+                conn.idle_since = time.monotonic()
                 self.idle.append(conn)
 
     async def _open(self) -> _Connection:
