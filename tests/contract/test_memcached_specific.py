@@ -6,6 +6,8 @@ a server start their own disposable ones, so the shared server stays up.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -22,8 +24,9 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable, Unsupported
 from latchkey._types import Busy, Grant
 from latchkey.stores import memcached as memcached_store
-from latchkey.stores import open_backend
+from latchkey.stores import memcached_async, open_async_backend, open_backend
 from latchkey.stores.memcached import EPOCH, MemcachedBackend, _Connection, _ttl_arg
+from latchkey.stores.memcached_async import AsyncMemcachedBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
@@ -754,3 +757,296 @@ def test_lost_lease_after_restart_surfaces_as_lock_lost(
     with pytest.raises(latchkey.LockLost):
         lock.extend()
     eventually(lambda: store.is_free("job"), what="empty restarted server")
+
+
+# -- the asyncio backend (the contract suite runs its semantics; these, its own failure modes) --
+
+
+def _async_backend(url: str) -> AsyncMemcachedBackend:
+    b = open_async_backend(url)
+    assert isinstance(b, AsyncMemcachedBackend)
+    return b
+
+
+def _async_pool(b: AsyncMemcachedBackend) -> Any:
+    (server,) = b._servers.values()
+    return server
+
+
+async def _until(probe: Any, what: str, timeout: float = 10.0) -> None:
+    """Wait in the loop until ``probe()`` is true (a condition, not a guessed delay)."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout}s"
+        await asyncio.sleep(0.005)
+
+
+async def _byte_by_byte_proxy(port: int, handlers: list[asyncio.Future[Any]]) -> asyncio.Server:
+    """A proxy to memcached on ``port`` that hands its replies on one byte at a time (the
+    loop runs between bytes), so that the backend reads every reply in pieces. Each client's
+    piping is appended to ``handlers``: it ends when the client closes its connection."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, one: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(1 if one else 65536):
+                writer.write(data)
+                await writer.drain()
+                if one:
+                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)
+        writer.close()
+
+    async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", port)
+        both = asyncio.gather(pipe(client_r, server_w, False), pipe(server_r, client_w, True))
+        handlers.append(both)
+        await both
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+def test_async_replies_split_across_reads_and_long_leases_are_parsed(
+    base: str, prefix: str
+) -> None:
+    """The stream reader gathers a reply from as many reads as it comes in: a one-byte-at-a-
+    time proxy, and a lease of 20 kB (many reads on a real socket)."""
+    info = '{"host":"h","pid":1,"metadata":{"note":"%s"}}' % ("x" * 20_000)
+
+    async def main() -> None:
+        handlers: list[asyncio.Future[Any]] = []
+        proxy = await _byte_by_byte_proxy(_port(base), handlers)
+        proxy_port = proxy.sockets[0].getsockname()[1]
+        b = _async_backend(f"memcached://127.0.0.1:{proxy_port}?prefix={prefix}")
+        try:
+            grant = await b.acquire("n", A, INFO, 30)  # the handshake and "HD c<cas>" in pieces
+            assert isinstance(grant, Grant) and grant.token is not None
+            busy = await b.acquire("n", B, INFO, 30)  # the probe's value, then "NS"
+            assert isinstance(busy, Busy) and busy.holder is not None
+            assert busy.holder.owner.pid == 1 and busy.holder.token == grant.token
+            extended = await b.extend("n", A, 30)
+            assert extended is not None and extended.token == grant.token
+            assert await b.release("n", B) is False
+            assert await b.release("n", A) is True
+            assert await b.inspect("n") is None
+            assert isinstance(await b.acquire("long", A, info, 30), Grant)
+            busy = await b.acquire("long", B, INFO, 30)
+            assert isinstance(busy, Busy) and busy.holder is not None
+            assert busy.holder.owner.metadata == {"note": "x" * 20_000}
+            assert await b.release("long", A) is True
+            assert len(_async_pool(b).idle) == 1  # one connection did it all, never dropped
+        finally:
+            await b.aclose()
+            proxy.close()
+            await proxy.wait_closed()
+            await asyncio.wait_for(asyncio.gather(*handlers), 5)
+
+    asyncio.run(main())
+
+
+def test_async_error_line_in_place_of_a_reply_is_unavailable(base: str, prefix: str) -> None:
+    """memcached refuses an item over its size limit with SERVER_ERROR where the add's reply
+    goes: StoreUnavailable (never Busy), that connection closed, the next call works."""
+    huge = '{"host":"h","pid":1,"metadata":{"x":"%s"}}' % ("x" * 1_100_000)
+
+    async def main() -> None:
+        b = _async_backend(f"{base}?prefix={prefix}")
+        try:
+            await b.inspect("warm-up")
+            (first,) = _async_pool(b).idle
+            with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
+                await b.acquire("job", A, huge, 30)
+            assert first.writer.is_closing() and first not in _async_pool(b).idle
+            assert isinstance(await b.acquire("job", A, INFO, 30), Grant)
+            assert await b.release("job", A) is True
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_cancelled_waiting_acquire_leaves_nothing_held(base: str, prefix: str) -> None:
+    """A waiting acquire() polls (memcached has no push); cancelled between or during its
+    attempts, it holds nothing afterwards and the store keeps working."""
+
+    async def main() -> None:
+        attempts = 0
+        async with latchkey.connect_async(f"{base}?prefix={prefix}") as store:
+            backend = store.backend
+            original = backend.acquire
+
+            async def counted(*args: Any, **kwargs: Any) -> Any:
+                nonlocal attempts
+                attempts += 1
+                return await original(*args, **kwargs)
+
+            backend.acquire = counted  # type: ignore[method-assign]
+            holder = store.lock("job", ttl="30s", renew=False)
+            assert await holder.acquire()
+            waiting = asyncio.ensure_future(store.lock("job", ttl="30s", wait=30).acquire())
+            await _until(lambda: attempts >= 3, "three attempts of the waiter")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            info = await store.inspect("job")
+            assert info is not None and len(info.holders) == 1
+            assert info.holders[0].token == holder.token  # only the first holder
+            await holder.release()
+            assert await store.is_free("job")
+            async with store.lock("job", ttl="30s", wait=5):
+                assert not await store.is_free("job")
+            assert await store.is_free("job")
+
+    asyncio.run(main())
+
+
+def test_async_request_cancelled_mid_reply_is_never_pooled(
+    own_servers: list[RunningServer],
+) -> None:
+    """Cancelled while waiting for the server's answer, the connection is closed (its reply
+    would be taken for the next request's); the lease the server did store is released by
+    reading it (nothing was remembered)."""
+    server = own_servers[0]
+
+    async def main() -> None:
+        b = _async_backend(f"{server.url}?timeout=5s")
+        try:
+            await b.inspect("warm-up")
+            pool = _async_pool(b)
+            (conn,) = pool.idle
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                await asyncio.to_thread(
+                    eventually, lambda: _all_threads_stopped(server.pid), what="stopped"
+                )
+                task = asyncio.ensure_future(b.acquire("n", A, INFO, 30))
+                await _until(lambda: not pool.idle, "the request under way")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert conn.writer.is_closing() and pool.idle == []
+            assert not b._held  # the grant never reached us: nothing remembered…
+            info = await b.inspect("n")  # …but the server stored it (the add was sent)
+            assert info is not None
+            assert await b.release("n", A) is True  # by reading: owner-checked, by CAS
+            assert await b.inspect("n") is None
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+async def _all_async_primitives_fail(b: AsyncMemcachedBackend, name: str, limit: float) -> None:
+    calls: list[Any] = [
+        lambda: b.acquire(name, B, INFO, 30),
+        lambda: b.acquire(name, B, INFO, 30, limit=3),
+        lambda: b.release(name, A),
+        lambda: b.extend(name, A, 30),
+        lambda: b.inspect(name),
+        lambda: b.force_release(name),
+        lambda: b.claim([name, name + "2"], B, INFO, 30),
+        lambda: b.release_many([name], A),
+        lambda: b.record_get(name),
+        lambda: b.record_set(name, "1", 0),
+        lambda: b.now(),
+    ]
+    for call in calls:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await call()
+        assert time.monotonic() - started < limit
+
+
+def test_async_stopped_server_is_unavailable_then_restart_works(
+    own_servers: list[RunningServer],
+) -> None:
+    server = own_servers[0]
+
+    async def main() -> None:
+        b = _async_backend(f"{server.url}?timeout=1s")
+        try:
+            first = await b.acquire("job", A, INFO, 60)
+            assert isinstance(first, Grant) and first.token is not None
+            await asyncio.sleep(1.1)  # the token's high part: the server's start, whole seconds
+            server.stop()
+            await _all_async_primitives_fail(b, "job", limit=2)
+            server.start()
+            assert await b.inspect("job") is None  # a fresh connection, an empty server
+            again = await b.acquire("job", B, INFO, 60)
+            assert isinstance(again, Grant) and again.token is not None
+            assert again.token > first.token
+            assert isinstance(await b.acquire("job", A, INFO, 60), Busy)
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_hung_server_times_out_and_the_next_call_reconnects(
+    own_servers: list[RunningServer],
+) -> None:
+    """A stopped (SIGSTOP) server accepts connections and never answers: each primitive
+    fails within ?timeout=, on the pooled connection or on a new one; after SIGCONT the
+    next call works on a fresh connection."""
+    server = own_servers[0]
+
+    async def main() -> None:
+        b = _async_backend(f"{server.url}?timeout=0.5s")
+        try:
+            assert isinstance(await b.acquire("n", A, INFO, 30), Grant)
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                await asyncio.to_thread(
+                    eventually, lambda: _all_threads_stopped(server.pid), what="stopped"
+                )
+                for call in (
+                    lambda: b.acquire("m", B, INFO, 30),  # on the pooled connection
+                    lambda: b.release("n", A),  # on a new connection: the handshake hangs
+                ):
+                    started = time.monotonic()
+                    with pytest.raises(StoreUnavailable, match=r"within 0\.5s"):
+                        await call()
+                    assert time.monotonic() - started < 1.5
+                assert _async_pool(b).idle == []
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert await b.release("n", A) is True
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_idle_connection_to_a_restarted_server_is_replaced(
+    own_servers: list[RunningServer],
+) -> None:
+    server = own_servers[0]
+
+    async def main() -> None:
+        b = _async_backend(f"{server.url}?timeout=1s")
+        try:
+            assert await b.inspect("x") is None
+            server.stop()  # blocks the loop: it has not seen the end of the stream
+            server.start()
+            assert await b.inspect("x") is None  # not StoreUnavailable: the socket was polled
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_many_concurrent_calls_share_a_bounded_pool(base: str, prefix: str) -> None:
+    async def main() -> None:
+        b = _async_backend(f"{base}?prefix={prefix}")
+        try:
+            results = await asyncio.gather(*(b.inspect(f"n{i}") for i in range(500)))
+            assert results == [None] * 500
+            pool = _async_pool(b)
+            assert 1 <= len(pool.idle) <= memcached_async.POOL_MAX
+            pooled = list(pool.idle)
+        finally:
+            await b.aclose()
+        assert pool.idle == [] and all(c.writer.is_closing() for c in pooled)
+
+    asyncio.run(main())

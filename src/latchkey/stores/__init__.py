@@ -44,7 +44,11 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "mysql+getlock": (f"{_GL}:GetLockBackend", None, "mysql"),
     "redis": ("latchkey.stores.redis:RedisBackend", None, "redis"),
     "rediss": ("latchkey.stores.redis:RedisBackend", None, "redis"),
-    "memcached": ("latchkey.stores.memcached:MemcachedBackend", None, "memcached"),
+    "memcached": (
+        "latchkey.stores.memcached:MemcachedBackend",
+        "latchkey.stores.memcached_async:AsyncMemcachedBackend",
+        "memcached",
+    ),
     "mongodb": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
     "mongodb+srv": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
 }  # fmt: skip

@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from json.encoder import encode_basestring_ascii as _quote  # a str as a JSON literal (C)
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from pymemcache.client.rendezvous import RendezvousHash
 
@@ -249,16 +249,8 @@ class _Connection:
 
     def reply(self) -> _Reply:
         """Read and parse the next reply."""
-        words = self._line().split()
-        if not words or words[0] in (b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR"):
-            raise ProtocolError(b" ".join(words).decode("ascii", "replace") or "empty reply")
-        code, rest = words[0], words[1:]
-        value = None
-        if code == b"VA":
-            if not rest or not rest[0].isdigit():
-                raise ProtocolError(f"bad VA reply: {words!r}")
-            value, rest = self._exact(int(rest[0])), rest[1:]
-        return _Reply(code, {w[:1]: w[1:] for w in rest}, value)
+        code, flags, size = _reply_head(self._line())
+        return _Reply(code, flags, None if size is None else self._exact(size))
 
     def exchange(self, commands: Sequence[bytes]) -> list[_Reply]:
         """Send ``commands`` in one write and read one reply each: one round trip."""
@@ -275,17 +267,10 @@ class _Connection:
 
     def _stats(self) -> tuple[int, int]:
         """Read a ``stats`` reply: the server's Unix time and its start (time - uptime)."""
-        stats: dict[bytes, bytes] = {}
+        lines = []
         while (line := self._line()) != b"END":
-            words = line.split()
-            if len(words) < 3 or words[0] != b"STAT":
-                raise ProtocolError(f"unexpected stats line {line!r}")
-            stats[words[1]] = words[2]
-        try:
-            now, uptime = int(stats[b"time"]), int(stats[b"uptime"])
-        except (KeyError, ValueError):
-            raise ProtocolError("stats lacks time or uptime") from None
-        return now, now - uptime
+            lines.append(line)
+        return _server_times(lines)
 
     def server_time(self) -> int:
         """The server's Unix time, whole seconds (one round trip)."""
@@ -295,19 +280,10 @@ class _Connection:
     def handshake(self, instance_key: bytes) -> int:
         """Read the server's clock and start time, and its instance id (creating it if this
         server process has none yet), in one round trip. Returns the server's Unix time."""
-        fresh = os.urandom(8).hex().encode("ascii")
-        self._send(STATS + ADD % (instance_key, len(fresh), 0, fresh) + READ % instance_key)
+        self._send(_handshake_request(instance_key))
         now, started = self._stats()
         self.started = max(0, started - EPOCH)
-        _stored(self.reply())  # HD: we wrote the id; NS: it was there
-        current = self.reply()
-        if current.code == b"VA":
-            if current.flag(b"c") == 0:
-                raise ConfigError(
-                    "memcached store: the server runs with CAS disabled (memcached -C); "
-                    "latchkey needs CAS values for its owner checks and fencing tokens"
-                )
-            self.instance = current.value
+        self.instance = _server_instance(self.reply(), self.reply())
         return now
 
     def close(self) -> None:
@@ -315,7 +291,21 @@ class _Connection:
             self.sock.close()
 
 
-class _Server:
+class _Clock:
+    """One server's clock: memcached reports whole seconds, so a reading is kept running on
+    the local monotonic clock (shared by the sync and asyncio pools)."""
+
+    def __init__(self) -> None:
+        self.clock_offset = 0.0  # server time - local monotonic time, seconds…
+        self._clock_read = False  # …once a connection has read the server's clock
+
+    def _set_clock(self, seconds: int, before: float) -> None:
+        # memcached's clock ticks in whole seconds: the true time is within the second after.
+        self.clock_offset = seconds + 0.5 - (before + time.monotonic()) / 2
+        self._clock_read = True
+
+
+class _Server(_Clock):
     """A pool of connections to one server, and that server's clock.
 
     The idle list is only popped and appended to (atomic in CPython): no lock on the hot path.
@@ -326,8 +316,7 @@ class _Server:
         self.host, self.port, self.timeout = host, port, timeout
         self.instance_key = instance_key
         self.idle: list[_Connection] = []
-        self.clock_offset = 0.0  # server time - local monotonic time, seconds…
-        self._clock_read = False  # …once a connection has read the server's clock
+        super().__init__()
         _FORK_AWARE.add(self)
 
     def after_fork(self) -> None:
@@ -379,11 +368,6 @@ class _Server:
             conn.close()
             raise
         return conn
-
-    def _set_clock(self, seconds: int, before: float) -> None:
-        # memcached's clock ticks in whole seconds: the true time is within the second after.
-        self.clock_offset = seconds + 0.5 - (before + time.monotonic()) / 2
-        self._clock_read = True
 
     def now(self) -> float:
         """The server's clock (Unix seconds), estimated from its last reading."""
@@ -500,68 +484,115 @@ def _new_cas(reply: _Reply) -> int:
     return cas
 
 
+# -- reading replies: pure functions of the bytes read, shared with memcached_async -----------
+
+
+def _reply_head(line: bytes) -> tuple[bytes, dict[bytes, bytes], int | None]:
+    """A reply's first line (CRLF removed): its code, its flags, and the length of the value
+    block that follows (``VA`` only, else None). An error line is a ProtocolError."""
+    words = line.split()
+    if not words or words[0] in (b"ERROR", b"CLIENT_ERROR", b"SERVER_ERROR"):
+        raise ProtocolError(b" ".join(words).decode("ascii", "replace") or "empty reply")
+    code, rest = words[0], words[1:]
+    size = None
+    if code == b"VA":
+        if not rest or not rest[0].isdigit():
+            raise ProtocolError(f"bad VA reply: {words!r}")
+        size, rest = int(rest[0]), rest[1:]
+    return code, {w[:1]: w[1:] for w in rest}, size
+
+
+def _server_times(lines: Sequence[bytes]) -> tuple[int, int]:
+    """The lines of a ``stats`` reply (before ``END``) → the server's Unix time and its start
+    (time - uptime)."""
+    stats: dict[bytes, bytes] = {}
+    for line in lines:
+        words = line.split()
+        if len(words) < 3 or words[0] != b"STAT":
+            raise ProtocolError(f"unexpected stats line {line!r}")
+        stats[words[1]] = words[2]
+    try:
+        now, uptime = int(stats[b"time"]), int(stats[b"uptime"])
+    except (KeyError, ValueError):
+        raise ProtocolError("stats lacks time or uptime") from None
+    return now, now - uptime
+
+
+def _handshake_request(instance_key: bytes) -> bytes:
+    """A new connection's first request: the server's clock and start (``stats``), the add of
+    a fresh instance id (kept if this server process has none yet), and the id's read."""
+    fresh = os.urandom(8).hex().encode("ascii")
+    return STATS + ADD % (instance_key, len(fresh), 0, fresh) + READ % instance_key
+
+
+def _server_instance(added: _Reply, current: _Reply) -> bytes | None:
+    """The server's instance id from the handshake's add and read replies."""
+    _stored(added)  # HD: we wrote the id; NS: it was there
+    if current.code != b"VA":
+        return None
+    if current.flag(b"c") == 0:
+        raise ConfigError(
+            "memcached store: the server runs with CAS disabled (memcached -C); "
+            "latchkey needs CAS values for its owner checks and fencing tokens"
+        )
+    return current.value
+
+
+def _record_of(key: bytes, reply: _Reply) -> tuple[str | None, int, int]:
+    """A record's JSON text, version and CAS from a read of ``P record:N`` (absent: 0, 0)."""
+    if reply.code == b"EN":
+        return None, 0, 0
+    if reply.code != b"VA" or reply.value is None:
+        raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
+    try:
+        data = json.loads(reply.value)
+        return str(data["d"]), int(data["v"]), reply.flag(b"c")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError(f"unreadable record at {key!r}: {exc}") from None
+
+
+def _record_value(value: str, version: int) -> bytes:
+    """A record's item: ``{"v": version, "d": the JSON text}``."""
+    return json.dumps({"v": version, "d": value}, separators=(",", ":")).encode()
+
+
 _ERRORS = (OSError, ProtocolError)
 _Names = list[str]  # (the class below has a method named list)
 
 
-class MemcachedBackend(Backend):
-    """Leases in memcached: ``add`` to take, CAS-checked meta commands to extend and release."""
+S = TypeVar("S")  # a server's pool: _Server here, the asyncio module's own there
 
-    scheme = "memcached"
-    capabilities = Capabilities(durable=False, listing=False, survives_eviction=False)
-    options = {
-        "prefix": Option(key_prefix, "latchkey:", "prefix of every key latchkey writes"),
-    }
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
+class _Layout(Generic[S]):
+    """What the sync backend and its asyncio twin (``memcached_async``) share besides the
+    commands and the reply parsing: the URL's checks, the key layout, which server holds a
+    name, the lease's JSON, and the bounded memory of our own leases' CAS."""
+
+    prefix: bytes
+    _servers: dict[str, S]  # node ("host:port") → its pool, in the URL's order
+    _only: S | None  # the one server, when there is one (no hashing)
+
+    def _lay_out(self, url: StoreURL, prefix: str) -> bytes:
+        """Check ``url``, set up the ring and the caches; return the instance id's key."""
         if not url.hosts:
             raise ConfigError("memcached store: the URL names no server (memcached://host:port)")
         if url.username or url.password:
             raise ConfigError("memcached store: the text protocol has no login; remove user:pass@")
         if url.path.strip("/"):
             raise ConfigError(f"memcached store: unexpected path {url.path!r} in the URL")
-        self.prefix: bytes = self.config["prefix"].encode("ascii")
-        self._servers: dict[str, _Server] = {}
+        self.prefix = prefix.encode("ascii")
+        self._nodes: dict[str, tuple[str, int]] = {}
         self._ring = RendezvousHash()
         for host, port in url.hosts:
             node = f"{host}:{port or DEFAULT_PORT}"
-            instance_key = self.prefix + b"instance"
-            self._servers[node] = _Server(host, port or DEFAULT_PORT, self.timeout, instance_key)
+            self._nodes[node] = (host, port or DEFAULT_PORT)
             self._ring.add_node(node)
-        self._only = next(iter(self._servers.values())) if len(self._servers) == 1 else None
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this backend
         self._hot_names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
         self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
         self._info = ("", b'""')  # the last owner_info and its JSON string literal
         self._ttls: dict[float, tuple[int, int]] = {}  # ttl → (ms, memcached TTL): _ttl_parts
-        _FORK_AWARE.add(self)
-
-    def after_fork(self) -> None:
-        self._held = {}  # a child remembers nothing (its parent may release those leases)
-
-    # -- running one primitive on one server's connection -------------------------------------
-
-    def _on(
-        self, server: _Server, action: str, op: Callable[Concatenate[_Connection, P], T],
-        *args: P.args, **kwargs: P.kwargs,
-    ) -> T:  # fmt: skip
-        """Run ``op(conn, …)`` on a pooled connection to ``server``; a socket or protocol
-        error closes the connection (its stream may be mid-reply) and is StoreUnavailable.
-        One clock read: the connection goes back to the pool stamped with the time it was
-        taken (a little early: the safe side for checkout's no-poll window)."""
-        now = _monotonic()
-        try:
-            conn = server.checkout(now)
-            try:
-                result = op(conn, *args, **kwargs)
-            except BaseException:
-                conn.close()
-                raise
-            server.checkin(conn, now)
-            return result
-        except _ERRORS as exc:
-            self.unavailable(exc, action)
+        return self.prefix + b"instance"
 
     # -- keys and routing ----------------------------------------------------------------------
 
@@ -598,10 +629,16 @@ class MemcachedBackend(Backend):
         parts = self._ttls[ttl] = (round(ttl * 1000), _ceil(ttl) + 1)
         return parts
 
-    def _server(self, name: str) -> _Server:
+    def _server(self, name: str) -> S:
         if self._only is not None:
             return self._only
         return self._servers[self._ring.get_node(self._encode(name).decode("ascii"))]
+
+    def _by_server(self, names: Sequence[str]) -> dict[S, _Names]:
+        groups: dict[S, _Names] = {}
+        for name in names:
+            groups.setdefault(self._server(name), []).append(name)
+        return groups
 
     def _lease_value(
         self, template: bytes, quoted_name: bytes, owner: str, info: str, number: int,
@@ -629,12 +666,59 @@ class MemcachedBackend(Backend):
         with contextlib.suppress(StopIteration, KeyError, RuntimeError):
             del self._held[next(iter(self._held))]
 
-    def _forget(self, name: str, owner: str, conn: _Connection) -> _Held | None:
-        """Take what we remember of (name, owner), if it is valid on ``conn``'s server."""
+    def _forget(self, name: str, owner: str, instance: bytes | None) -> _Held | None:
+        """Take what we remember of (name, owner), if it is valid on the server process
+        ``instance`` (the id read by the connection at hand)."""
         held = self._held.pop((name, owner), None)
-        if held is None or conn.instance is None or held[2] != conn.instance:
+        if held is None or instance is None or held[2] != instance:
             return None  # unknown, or from another server lifetime: its CAS proves nothing
         return held
+
+
+class MemcachedBackend(_Layout[_Server], Backend):
+    """Leases in memcached: ``add`` to take, CAS-checked meta commands to extend and release."""
+
+    scheme = "memcached"
+    capabilities = Capabilities(durable=False, listing=False, survives_eviction=False)
+    options = {
+        "prefix": Option(key_prefix, "latchkey:", "prefix of every key latchkey writes"),
+    }
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        instance_key = self._lay_out(url, self.config["prefix"])
+        self._servers = {
+            node: _Server(host, port, self.timeout, instance_key)
+            for node, (host, port) in self._nodes.items()
+        }
+        self._only = next(iter(self._servers.values())) if len(self._servers) == 1 else None
+        _FORK_AWARE.add(self)
+
+    def after_fork(self) -> None:
+        self._held = {}  # a child remembers nothing (its parent may release those leases)
+
+    # -- running one primitive on one server's connection -------------------------------------
+
+    def _on(
+        self, server: _Server, action: str, op: Callable[Concatenate[_Connection, P], T],
+        *args: P.args, **kwargs: P.kwargs,
+    ) -> T:  # fmt: skip
+        """Run ``op(conn, …)`` on a pooled connection to ``server``; a socket or protocol
+        error closes the connection (its stream may be mid-reply) and is StoreUnavailable.
+        One clock read: the connection goes back to the pool stamped with the time it was
+        taken (a little early: the safe side for checkout's no-poll window)."""
+        now = _monotonic()
+        try:
+            conn = server.checkout(now)
+            try:
+                result = op(conn, *args, **kwargs)
+            except BaseException:
+                conn.close()
+                raise
+            server.checkin(conn, now)
+            return result
+        except _ERRORS as exc:
+            self.unavailable(exc, action)
 
     # -- reading slots -----------------------------------------------------------------------
 
@@ -773,7 +857,7 @@ class MemcachedBackend(Backend):
     def _extend(
         self, conn: _Connection, server: _Server, name: str, owner: str, ttl: float
     ) -> Grant | None:
-        held = self._forget(name, owner, conn)
+        held = self._forget(name, owner, conn.instance)
         if held is not None and (grant := self._rewrite(conn, server, name, owner, held, ttl)):
             return grant
         # Unknown, or changed since we wrote it (EX) or gone (NF): read once to decide.
@@ -835,12 +919,6 @@ class MemcachedBackend(Backend):
 
     # -- batch claims: one round trip per server involved, whatever the number of names ----
 
-    def _by_server(self, names: Sequence[str]) -> dict[_Server, _Names]:
-        groups: dict[_Server, _Names] = {}
-        for name in names:
-            groups.setdefault(self._server(name), []).append(name)
-        return groups
-
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
     ) -> dict[str, Grant]:
@@ -891,7 +969,7 @@ class MemcachedBackend(Backend):
         deletes: list[tuple[bytes, int, bool]] = []  # key, CAS, remembered (not just read)?
         reads: list[bytes] = []
         for name in names:
-            held = self._forget(name, owner, conn)
+            held = self._forget(name, owner, conn.instance)
             if held is None:
                 reads.append(self._key("lock", name))
             else:
@@ -910,16 +988,7 @@ class MemcachedBackend(Backend):
     # -- versioned records: {"v": version, "d": JSON text}, CAS-checked writes ---------------
 
     def _record(self, conn: _Connection, key: bytes) -> tuple[str | None, int, int]:
-        reply = conn.exchange([READ % key])[0]
-        if reply.code == b"EN":
-            return None, 0, 0
-        if reply.code != b"VA" or reply.value is None:
-            raise ProtocolError(f"unexpected reply {reply.code!r} to a read")
-        try:
-            data = json.loads(reply.value)
-            return str(data["d"]), int(data["v"]), reply.flag(b"c")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ProtocolError(f"unreadable record at {key!r}: {exc}") from None
+        return _record_of(key, conn.exchange([READ % key])[0])
 
     def record_get(self, name: str) -> tuple[str | None, int]:
         key = self._key("record", name)
@@ -931,7 +1000,7 @@ class MemcachedBackend(Backend):
         return self._on(self._server(name), "record_set", self._record_set, key, value, version)
 
     def _record_set(self, conn: _Connection, key: bytes, value: str, version: int) -> int | None:
-        data = json.dumps({"v": version + 1, "d": value}, separators=(",", ":")).encode()
+        data = _record_value(value, version + 1)
         if version == 0:
             written = _stored(conn.exchange([ADD % (key, len(data), 0, data)])[0])
         else:
