@@ -36,8 +36,8 @@ _ADV, _GL = "latchkey.stores.pg_advisory", "latchkey.stores.mysql_getlock"
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "memory": (f"{_MEM}:MemoryBackend", f"{_MEM}:AsyncMemoryBackend", None),
     "sqlite": (f"{_LITE}:SQLiteBackend", f"{_LITE}:AsyncSQLiteBackend", None),
-    "postgresql": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
-    "postgres": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
+    "postgresql": (f"{_PG}:PostgreSQLBackend", f"{_PG}_async:AsyncPostgreSQLBackend", "postgresql"),
+    "postgres": (f"{_PG}:PostgreSQLBackend", f"{_PG}_async:AsyncPostgreSQLBackend", "postgresql"),
     "postgresql+advisory": (f"{_ADV}:AdvisoryBackend", None, "postgresql"),
     "mysql": (f"{_MY}:MySQLBackend", None, "mysql"),
     "mariadb": (f"{_MY}:MySQLBackend", None, "mysql"),
