@@ -38,7 +38,9 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "sqlite": (f"{_LITE}:SQLiteBackend", f"{_LITE}:AsyncSQLiteBackend", None),
     "postgresql": (f"{_PG}:PostgreSQLBackend", f"{_PG}_async:AsyncPostgreSQLBackend", "postgresql"),
     "postgres": (f"{_PG}:PostgreSQLBackend", f"{_PG}_async:AsyncPostgreSQLBackend", "postgresql"),
-    "postgresql+advisory": (f"{_ADV}:AdvisoryBackend", None, "postgresql"),
+    "postgresql+advisory": (
+        f"{_ADV}:AdvisoryBackend", f"{_ADV}_async:AsyncAdvisoryBackend", "postgresql"
+    ),
     "mysql": (f"{_MY}:MySQLBackend", None, "mysql"),
     "mariadb": (f"{_MY}:MySQLBackend", None, "mysql"),
     "mysql+getlock": (f"{_GL}:GetLockBackend", None, "mysql"),
