@@ -9,6 +9,8 @@ stays up for everyone else.
 from __future__ import annotations
 
 import _thread
+import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -19,6 +21,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -1163,3 +1166,189 @@ def test_advisory_fork_child_does_not_inherit_spare_sessions(advisory: AdvisoryB
     assert advisory.extend("b", owner, 10) == Grant(None, None)
     assert advisory.release("b", owner) is True
     assert isinstance(advisory.acquire_blocking("x", _owner(), INFO, 10, 1, 5), Grant)  # pooled
+
+
+# -- the asyncio backends ----------------------------------------------------------------------
+
+
+def _url(pg_base: str, kind: str, **query: str) -> str:
+    isolate = (f"table=t_{uuid.uuid4().hex[:12]}" if kind == "postgresql"
+               else f"prefix=t{uuid.uuid4().hex[:12]}")  # fmt: skip
+    extra = "".join(f"&{k}={v}" for k, v in query.items())
+    return f"{pg_base.replace('postgresql://', kind + '://')}?{isolate}{extra}"
+
+
+def _waiting_now(sql: psycopg.Connection[tuple[object, ...]], url: str, kind: str) -> int:
+    """How many waiters of ``url`` wait now: queue rows (lease table) or sessions waiting in
+    the server for an advisory lock (this process's)."""
+    if kind == "postgresql":
+        table = url.rsplit("table=", 1)[1].split("&")[0]
+        with contextlib.suppress(psycopg.errors.UndefinedTable):
+            row = sql.execute(f'SELECT count(*) FROM "{table}_waiters"').fetchone()
+            return int(row[0]) if row else 0  # type: ignore[call-overload]
+        return 0
+    return len(_advisory_waiters(sql, os.getpid()))
+
+
+def _count_calls(backend: Any, method: str) -> list[int]:
+    """Count ``backend.<method>`` calls (the async runner looks methods up on the instance)."""
+    calls = [0]
+    original = getattr(backend, method)
+
+    async def counted(*args: Any) -> Any:
+        calls[0] += 1
+        return await original(*args)
+
+    setattr(backend, method, counted)
+    return calls
+
+
+def _count_handed(backend: Any) -> list[int]:
+    """Count the leases a release handed to this backend's waiters (taken by the core)."""
+    handed = [0]
+    original = backend.wait_in_line
+
+    async def wait_in_line(*args: Any) -> Any:
+        waiter = await original(*args)
+        take = waiter.take_grant
+
+        async def take_grant() -> Any:
+            grant = await take()
+            handed[0] += grant is not None
+            return grant
+
+        waiter.take_grant = take_grant
+        return waiter
+
+    backend.wait_in_line = wait_in_line
+    return handed
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_async_cancelled_waiting_acquire_leaves_nothing_held(
+    pg_base: str, kind: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    url = _url(pg_base, kind)
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as holding, latchkey.connect_async(url) as store:
+            holder = holding.lock("n", ttl="60s")
+            assert await holder.acquire()
+            waiting = asyncio.ensure_future(store.lock("n", ttl="60s", wait="30s").acquire())
+            while not await asyncio.to_thread(_waiting_now, sql, url, kind):
+                assert not waiting.done()
+                await asyncio.sleep(0.01)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert await asyncio.to_thread(_waiting_now, sql, url, kind) == 0  # left the queue
+            assert await holder.release()
+            assert await store.inspect("n") is None  # nobody was handed it, nothing held
+            again = store.lock("n", ttl="60s", wait=0)  # and the backend still works
+            assert await again.acquire()
+            assert await again.release()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_async_blocked_waiter_is_woken_by_push_not_by_polling(
+    pg_base: str, kind: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The lease table hands the lease over (no attempt after the release); the advisory
+    store's waiter is granted inside its one server-side wait."""
+    url = _url(pg_base, kind, timeout="30s")
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as holding, latchkey.connect_async(url) as store:
+            attempts = _count_calls(store.backend, "acquire")
+            blocks = _count_calls(store.backend, "acquire_blocking")
+            holder = holding.lock("n", ttl="60s")
+            assert await holder.acquire()
+            handed = _count_handed(store.backend)
+            waiting = asyncio.ensure_future(store.lock("n", ttl="60s", wait="25s").acquire())
+            while not await asyncio.to_thread(_waiting_now, sql, url, kind):
+                await asyncio.sleep(0.01)
+            if kind == "postgresql":
+                # Let the backoff reach its cap (retries ~1 s apart), so that no retry races
+                # the release below: the lease must come by the hand-over, not an attempt.
+                while attempts[0] < 9:
+                    await asyncio.sleep(0.05)
+            before = attempts[0]
+            assert await holder.release()
+            assert await waiting is True
+            if kind == "postgresql":
+                assert attempts[0] == before and handed == [1]
+            else:
+                assert attempts[0] == before == 1 and blocks[0] == 1
+
+    asyncio.run(main())
+
+
+def test_async_many_waiters_share_one_listener_and_all_get_the_lock(pg_base: str) -> None:
+    url = _url(pg_base, "postgresql", timeout="30s")
+    count = 300
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store:
+            holder = store.lock("n", ttl="60s")
+            assert await holder.acquire()
+            order: list[int] = []
+
+            async def take(i: int) -> None:
+                lock = store.lock("n", ttl="60s", wait="60s")
+                assert await lock.acquire()
+                order.append(i)
+                assert await lock.release()
+
+            tasks = [asyncio.ensure_future(take(i)) for i in range(count)]
+            await asyncio.sleep(0.2)
+            assert await holder.release()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert sorted(order) == list(range(count))
+            listener = store.backend._listener  # type: ignore[attr-defined]
+            assert listener.connections == 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_async_silent_server_is_unavailable_within_the_timeout(kind: str) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes handshakes; nobody ever speaks
+        port = listener.getsockname()[1]
+
+        async def main() -> None:
+            async with latchkey.connect_async(
+                f"{kind}://postgres@127.0.0.1:{port}/postgres?timeout=2"
+            ) as store:
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await store.lock("n", ttl="10s", wait=0).acquire()
+                assert time.monotonic() - started < 6
+
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_async_stopped_server_is_unavailable_then_the_connection_is_replaced(
+    own_server: RunningServer, kind: str
+) -> None:
+    url = f"{own_server.url.replace('postgresql://', kind + '://')}?timeout=2"
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store:
+            assert await store.now()
+            own_server.stop()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as caught:
+                await store.lock("n", ttl="10s", wait=0).acquire()
+            assert time.monotonic() - started < 2 + 4
+            assert "password" not in str(caught.value)
+            await asyncio.to_thread(own_server.start)
+            lock = store.lock("n", ttl="10s", wait=0)
+            assert await lock.acquire()  # a new connection, no error
+            assert await lock.release()
+
+    asyncio.run(main())

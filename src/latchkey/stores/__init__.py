@@ -28,30 +28,35 @@ __all__ = [
     "open_backend",
 ]
 
-_PG, _MY = "latchkey.stores.postgresql", "latchkey.stores.mysql"
-_MEM, _LITE = "latchkey.stores.memory", "latchkey.stores.sqlite"
-_ADV, _GL = "latchkey.stores.pg_advisory", "latchkey.stores.mysql_getlock"
+
+
+def _store(module: str, sync: str, asyncio: str | None, extra: str | None) -> tuple[
+    str, str | None, str | None
+]:
+    """A registry row: the sync class in ``latchkey.stores.<module>``, the asyncio class in
+    ``latchkey.stores.<module>_async``, the extra that installs the driver."""
+    base = f"latchkey.stores.{module}"
+    return f"{base}:{sync}", (f"{base}_async:{asyncio}" if asyncio else None), extra
+
 
 # scheme: (sync module:class, asyncio module:class or None, the extra that installs its driver)
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
-    "memory": (f"{_MEM}:MemoryBackend", f"{_MEM}_async:AsyncMemoryBackend", None),
-    "sqlite": (f"{_LITE}:SQLiteBackend", f"{_LITE}_async:AsyncSQLiteBackend", None),
-    "postgresql": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
-    "postgres": (f"{_PG}:PostgreSQLBackend", None, "postgresql"),
-    "postgresql+advisory": (f"{_ADV}:AdvisoryBackend", None, "postgresql"),
-    "mysql": (f"{_MY}:MySQLBackend", None, "mysql"),
-    "mariadb": (f"{_MY}:MySQLBackend", None, "mysql"),
-    "mysql+getlock": (f"{_GL}:GetLockBackend", None, "mysql"),
-    "redis": ("latchkey.stores.redis:RedisBackend", None, "redis"),
-    "rediss": ("latchkey.stores.redis:RedisBackend", None, "redis"),
-    "memcached": (
-        "latchkey.stores.memcached:MemcachedBackend",
-        "latchkey.stores.memcached_async:AsyncMemcachedBackend",
-        "memcached",
+    "memory": _store("memory", "MemoryBackend", "AsyncMemoryBackend", None),
+    "sqlite": _store("sqlite", "SQLiteBackend", "AsyncSQLiteBackend", None),
+    "postgresql": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
+    "postgres": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
+    "postgresql+advisory": _store(
+        "pg_advisory", "AdvisoryBackend", "AsyncAdvisoryBackend", "postgresql"
     ),
-    "mongodb": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
-    "mongodb+srv": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
-}  # fmt: skip
+    "mysql": _store("mysql", "MySQLBackend", None, "mysql"),
+    "mariadb": _store("mysql", "MySQLBackend", None, "mysql"),
+    "mysql+getlock": _store("mysql_getlock", "GetLockBackend", None, "mysql"),
+    "redis": _store("redis", "RedisBackend", None, "redis"),
+    "rediss": _store("redis", "RedisBackend", None, "redis"),
+    "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),
+    "mongodb": _store("mongodb", "MongoDBBackend", None, "mongodb"),
+    "mongodb+srv": _store("mongodb", "MongoDBBackend", None, "mongodb"),
+}
 
 
 def _load(target: str, scheme: str, extra: str | None, base: type) -> Any:

@@ -786,6 +786,59 @@ def holder(token: int | None, owner_info: str | None, acquired: Any, expires: An
     )
 
 
+# -- what the sync and asyncio backends share: rendering, schema check, reply parsing ---------
+
+
+def render(context: Any, table: str, schema: str | None, template: str) -> bytes:
+    """A statement template (see STATEMENTS) with the table's identifiers filled in, for a
+    connection (sync or async: only its encoding and escaping are used)."""
+
+    def ident(name: str) -> sql.Identifier:
+        return sql.Identifier(schema, name) if schema else sql.Identifier(name)
+
+    fence = ident(f"{table}_fence")
+    return sql.SQL(template).format(
+        locks=ident(table),
+        fence=fence,
+        fence_regclass=sql.Literal(fence.as_string(context)),
+        records=ident(f"{table}_records"),
+        waiters=ident(f"{table}_waiters"),
+        meta=ident(f"{table}_meta"),
+        expires_idx=sql.Identifier(f"{table}_expires"),
+    ).as_bytes(context)
+
+
+def check_schema_version(backend: Any, row: Sequence[Any] | None) -> None:
+    """Refuse tables (SELECT_VERSION's ``row``) from a newer latchkey."""
+    found = int(row[0]) if row else SCHEMA_VERSION
+    if found > SCHEMA_VERSION:
+        raise StoreUnavailable(
+            f"{backend.scheme} store at {backend.url.redacted()}: table {backend.table} has "
+            f"schema version {found}, newer than this latchkey ({SCHEMA_VERSION}); upgrade latchkey"
+        )
+
+
+def mutex_busy(row: Sequence[Any] | None) -> Grant | Busy:
+    """The answer of a mutex acquire that found the name held, from its HOLDER ``row``."""
+    if row is None:
+        return Busy(holders=0)  # released in between: the core retries at once
+    token, info, acquired, expires, left, mine = row
+    if mine:  # a release handed it to us (we are queued): since when, we can't tell
+        return Grant(token=token, expires_at=utc(expires), remaining=max(0.0, left))
+    return Busy(holders=1, holder=holder(token, info, acquired, expires),
+                retry_after=max(0.0, left))  # fmt: skip
+
+
+def slot_answer(row: Sequence[Any]) -> Grant | Busy:
+    """The answer of a semaphore acquire, from ACQUIRE_SLOT's one row."""
+    token, expires, live, h_token, h_info, h_acquired, h_expires, left = row
+    if token is not None:
+        return Grant(token=token, expires_at=utc(expires))
+    soonest = holder(h_token, h_info, h_acquired, h_expires) if h_token is not None else None
+    return Busy(holders=live, holder=soonest,
+                retry_after=max(0.0, left) if left is not None else None)  # fmt: skip
+
+
 class PostgreSQLBackend(Backend):
     """Leases in a PostgreSQL table; see the module docstring for the layout."""
 
@@ -814,20 +867,8 @@ class PostgreSQLBackend(Backend):
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _ident(self, name: str) -> sql.Identifier:
-        return sql.Identifier(self.schema, name) if self.schema else sql.Identifier(name)
-
     def _render(self, conn: psycopg.Connection[Any], template: str) -> bytes:
-        fence = self._ident(f"{self.table}_fence")
-        return sql.SQL(template).format(
-            locks=self._ident(self.table),
-            fence=fence,
-            fence_regclass=sql.Literal(fence.as_string(conn)),
-            records=self._ident(f"{self.table}_records"),
-            waiters=self._ident(f"{self.table}_waiters"),
-            meta=self._ident(f"{self.table}_meta"),
-            expires_idx=sql.Identifier(f"{self.table}_expires"),
-        ).as_bytes(conn)
+        return render(conn, self.table, self.schema, template)
 
     def _render_all(self, conn: psycopg.Connection[Any]) -> None:
         """Render every statement once (:attr:`_sql`), and the hot ones in server-side form
@@ -848,12 +889,7 @@ class PostgreSQLBackend(Backend):
             for statement in CREATE_STATEMENTS:
                 conn.execute(self._render(conn, statement), {"version": str(SCHEMA_VERSION)})
             row = conn.execute(self._render(conn, SELECT_VERSION)).fetchone()
-        found = int(row[0]) if row else SCHEMA_VERSION
-        if found > SCHEMA_VERSION:
-            raise StoreUnavailable(
-                f"{self.scheme} store at {self.url.redacted()}: table {self.table} has schema "
-                f"version {found}, newer than this latchkey ({SCHEMA_VERSION}); upgrade latchkey"
-            )
+        check_schema_version(self, row)
 
     def _run(
         self, action: str, statement: str, params: Mapping[str, Any]
@@ -920,22 +956,11 @@ class PostgreSQLBackend(Backend):
                 return Grant(token=_int8(result.get_value(0, 0)),
                              expires_at=_timestamptz(result.get_value(0, 1)))  # fmt: skip
             rows, _ = self._run(f"acquire {name!r}", "holder", {"name": key, "owner": owner})
-            if not rows:
-                return Busy(holders=0)  # released in between: the core retries at once
-            token, info, acquired, expires, left, mine = rows[0]
-            if mine:  # a release handed it to us (we are queued): since when, we can't tell
-                return Grant(token=token, expires_at=utc(expires), remaining=max(0.0, left))
-            return Busy(holders=1, holder=holder(token, info, acquired, expires),
-                        retry_after=max(0.0, left))
+            return mutex_busy(rows[0] if rows else None)
         params = {"name": key, "owner": owner, "owner_info": owner_info, "ttl": float(ttl),
                   "limit": limit}
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
-        token, expires, live, h_token, h_info, h_acquired, h_expires, left = rows[0]
-        if token is not None:
-            return Grant(token=token, expires_at=utc(expires))
-        soonest = holder(h_token, h_info, h_acquired, h_expires) if h_token is not None else None
-        return Busy(holders=live, holder=soonest,
-                    retry_after=max(0.0, left) if left is not None else None)
+        return slot_answer(rows[0])
 
     def release(self, name: str, owner: str) -> bool:
         result = self._fast("release", (name.encode(), owner.encode(), self._channel),
