@@ -41,7 +41,7 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "postgresql+advisory": (f"{_ADV}:AdvisoryBackend", None, "postgresql"),
     "mysql": (f"{_MY}:MySQLBackend", f"{_MY}_async:AsyncMySQLBackend", "mysql"),
     "mariadb": (f"{_MY}:MySQLBackend", f"{_MY}_async:AsyncMySQLBackend", "mysql"),
-    "mysql+getlock": (f"{_GL}:GetLockBackend", None, "mysql"),
+    "mysql+getlock": (f"{_GL}:GetLockBackend", f"{_GL}_async:AsyncGetLockBackend", "mysql"),
     "redis": ("latchkey.stores.redis:RedisBackend", None, "redis"),
     "rediss": ("latchkey.stores.redis:RedisBackend", None, "redis"),
     "memcached": ("latchkey.stores.memcached:MemcachedBackend", None, "memcached"),
