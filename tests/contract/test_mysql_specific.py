@@ -6,6 +6,8 @@ a server start their own disposable one, so the shared server stays up for the o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -24,6 +26,7 @@ from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from latchkey.stores.mysql import MySQLBackend, server_hung_up
+from latchkey.stores.mysql_async import AsyncMySQLBackend
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
     WAIT_LOCK,
@@ -31,6 +34,7 @@ from latchkey.stores.mysql_getlock import (
     lock_key,
     wait_seconds,
 )
+from latchkey.stores.mysql_getlock_async import AsyncGetLockBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, mariadb, replace_scheme, with_query
@@ -989,3 +993,254 @@ def test_getlock_a_forked_child_uses_none_of_the_parents_sessions(base: str) -> 
         root.close()
         other.close()
         backend.close()
+
+
+# -- the asyncio backends ----------------------------------------------------------------------
+
+
+async def _until(probe: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    """``eventually`` for a coroutine: poll a (quick, blocking) probe, yielding to the loop."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+def _counting(backend: Any, method: str) -> list[object]:
+    """Count the calls of one backend primitive (wrapped on the instance)."""
+    calls: list[object] = []
+    original = getattr(backend, method)
+
+    async def counted(*args: Any) -> Any:
+        calls.append(args[0])
+        return await original(*args)
+
+    setattr(backend, method, counted)
+    return calls
+
+
+def _inserting(conn: pymysql.connections.Connection, table: str) -> int:
+    """Other sessions running an INSERT into ``table`` now (not INNODB_LOCK_WAITS: InnoDB
+    refreshes it only after 100 ms without a read, so a fast poll would never see a change)."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+            "WHERE ID != CONNECTION_ID() AND LOCATE(%s, INFO) > 0",
+            (f"INSERT INTO {table} ",),
+        )
+        return int(cur.fetchone()[0])
+
+
+def test_async_cancelled_wait_leaves_nothing_held(table_url: str) -> None:
+    """A waiting acquire() cancelled between attempts: nothing held, the backend still works."""
+    holder, owner, name = open_backend(table_url), _owner(), "async-cancelled-wait"
+    assert isinstance(holder.acquire(name, owner, INFO, 60), Grant)
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(table_url)
+        backend = store.backend
+        assert isinstance(backend, AsyncMySQLBackend)
+        attempts = _counting(backend, "acquire")
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
+        await _until(lambda: len(attempts) >= 3, "three attempts")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not backend._busy
+        info = await store.inspect(name)
+        assert info is not None and [h.owner.host for h in info.holders] == ["h"]  # only INFO's
+        assert holder.release(name, owner) is True
+        assert await store.inspect(name) is None  # the cancelled owner holds nothing
+        lock = store.lock(name, ttl="60s", wait=0)
+        assert await lock.acquire() is True
+        assert await lock.release() is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.close()
+
+
+def test_async_cancelled_statement_discards_its_connection(base: str, table_url: str) -> None:
+    """Cancelled while its statement waits for a row lock in the server: that connection is
+    closed, never pooled again, and the next call works on another."""
+    url, name = with_query(table_url, timeout="10s"), "async-cancelled-statement"
+    root = _root(base)
+    table = table_url.rsplit("table=", 1)[1]
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        backend = store.backend
+        assert isinstance(backend, AsyncMySQLBackend)
+        await store.init()  # the tables exist
+        with root.cursor() as cur:  # an uncommitted row for the name: takers wait for it
+            cur.execute("BEGIN")
+            cur.execute(
+                f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+                "VALUES (%s, 0, 'x', '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
+                (name.encode(),),
+            )
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
+        await _until(lambda: _inserting(root, table), "a row-lock wait")
+        (waiting,) = backend._busy
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not backend._busy and waiting not in backend._idle
+        root.rollback()
+        lock = store.lock(name, ttl="60s", wait=0)
+        assert await lock.acquire() is True
+        assert await lock.release() is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.close()
+
+
+@pytest.mark.parametrize("scheme", ["mysql", "mysql+getlock"])
+def test_async_silent_server_times_out_within_the_timeout(scheme: str) -> None:
+    """A peer that accepts and never answers: StoreUnavailable after about ``timeout``."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+
+        async def scenario() -> float:
+            store = latchkey.connect_async(f"{scheme}://root@127.0.0.1:{port}/db?timeout=1s")
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                await store.lock("x", ttl="1s", wait=0).acquire()
+            elapsed = time.monotonic() - started
+            await store.aclose()
+            return elapsed
+
+        assert asyncio.run(scenario()) < 4
+
+
+def test_async_getlock_waiter_is_granted_by_the_server_in_one_wait(base: str) -> None:
+    """A blocked acquire waits in the server and is granted on release: one try, one wait."""
+    url, name = _getlock_url(base), "async-granted"
+    other, owner = open_backend(url), _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    root = _root(base)
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        backend = store.backend
+        assert isinstance(backend, AsyncGetLockBackend)
+        tries, waits = _counting(backend, "acquire"), _counting(backend, "acquire_blocking")
+        lock = store.lock(name, ttl="60s", wait="30s")
+        task = asyncio.ensure_future(lock.acquire())
+        await _until(lambda: _waiting_ids(root, backend.key(name)), "a wait in the server")
+        assert other.release(name, owner) is True
+        assert await task is True
+        assert (len(tries), len(waits)) == (1, 1)
+        assert _holder_id(root, backend.key(name)) not in (None, backend._main and backend._main.id)
+        assert await lock.release() is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.close()
+        other.close()
+
+
+def test_async_getlock_cancelled_wait_closes_its_session(base: str) -> None:
+    """Cancelling a waiting acquire() closes its session: the server drops the wait, nothing
+    is held, and the backend's other locks and later calls are unaffected."""
+    url, name = _getlock_url(base), "async-cancelled"
+    other, owner = open_backend(url), _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    root = _root(base)
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        backend = store.backend
+        assert isinstance(backend, AsyncGetLockBackend)
+        key = backend.key(name)
+        kept = store.lock("async-kept", ttl="60s", wait=0)
+        assert await kept.acquire() is True
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
+        await _until(lambda: _waiting_ids(root, key), "a wait in the server")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not backend._waiting and not backend._idle
+        await _until(lambda: not _waiting_ids(root, key), "the wait dropped")
+        assert other.release(name, owner) is True
+        assert _holder_id(root, key) is None  # the closed wait took nothing
+        await kept.extend()  # still held: its session was not touched
+        again = store.lock(name, ttl="60s", wait=0)
+        assert await again.acquire() is True
+        assert await again.release() is True
+        assert await kept.release() is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.close()
+        other.close()
+
+
+@pytest.mark.parametrize("yields", range(6))
+def test_async_getlock_cancelled_acquire_keeps_the_other_locks(base: str, yields: int) -> None:
+    """A caller cancelled at any point of a quick acquire on the shared main session: the
+    session (and the other locks in it) survives, and the cancelled owner holds nothing."""
+    url, name = _getlock_url(base), f"async-cut-{yields}"
+    root = _root(base)
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        backend = store.backend
+        assert isinstance(backend, AsyncGetLockBackend)
+        kept = store.lock(f"async-cut-kept-{yields}", ttl="60s", wait=0)
+        assert await kept.acquire() is True
+        assert backend._main is not None
+        main_id = backend._main.id
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait=0).acquire())
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.inspect(name)  # after whatever the cancelled acquire left running
+        assert backend._main is not None and backend._main.id == main_id
+        assert _holder_id(root, backend.key(kept.name)) == main_id
+        assert _holder_id(root, backend.key(name)) is None
+        assert await kept.release() is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.close()
+
+
+def test_async_aclose_ends_a_wait_in_progress(base: str) -> None:
+    url, name = _getlock_url(base), "async-closed-while-waiting"
+    other, owner = open_backend(url), _owner()
+    assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
+    root = _root(base)
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        key = lock_key(name, "t:")
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
+        await _until(lambda: _waiting_ids(root, key), "a wait in the server")
+        await store.aclose()
+        with pytest.raises(StoreUnavailable):
+            await task
+        await _until(lambda: not _waiting_ids(root, key), "the wait dropped")
+
+    try:
+        asyncio.run(scenario())
+        assert other.release(name, owner) is True
+    finally:
+        root.close()
+        other.close()

@@ -48,9 +48,9 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "postgresql+advisory": _store(
         "pg_advisory", "AdvisoryBackend", "AsyncAdvisoryBackend", "postgresql"
     ),
-    "mysql": _store("mysql", "MySQLBackend", None, "mysql"),
-    "mariadb": _store("mysql", "MySQLBackend", None, "mysql"),
-    "mysql+getlock": _store("mysql_getlock", "GetLockBackend", None, "mysql"),
+    "mysql": _store("mysql", "MySQLBackend", "AsyncMySQLBackend", "mysql"),
+    "mariadb": _store("mysql", "MySQLBackend", "AsyncMySQLBackend", "mysql"),
+    "mysql+getlock": _store("mysql_getlock", "GetLockBackend", "AsyncGetLockBackend", "mysql"),
     "redis": _store("redis", "RedisBackend", None, "redis"),
     "rediss": _store("redis", "RedisBackend", None, "redis"),
     "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),

@@ -46,7 +46,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL, identifier
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Backend, Capabilities, group_by_name
+from latchkey.stores.base import Backend, BackendBase, Capabilities, group_by_name
 
 SCHEMA_VERSION = 1
 DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
@@ -228,8 +228,9 @@ EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
 EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
 
 
-def connect_args(backend: Backend) -> dict[str, Any]:
-    """PyMySQL connect() arguments for a store URL (shared with the GET_LOCK store)."""
+def connect_args(backend: BackendBase) -> dict[str, Any]:
+    """PyMySQL connect() arguments for a store URL (shared with the GET_LOCK store and the
+    asyncio backends, which drop the read and write timeouts)."""
     url = backend.url
     if len(url.hosts) > 1:
         raise ConfigError(f"{url.scheme} store: one host only, got {len(url.hosts)}")
