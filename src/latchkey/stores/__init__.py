@@ -31,6 +31,7 @@ __all__ = [
 _PG, _MY = "latchkey.stores.postgresql", "latchkey.stores.mysql"
 _MEM, _LITE = "latchkey.stores.memory", "latchkey.stores.sqlite"
 _ADV, _GL = "latchkey.stores.pg_advisory", "latchkey.stores.mysql_getlock"
+_RA = "latchkey.stores.redis_async"
 
 # scheme: (sync module:class, asyncio module:class or None, the extra that installs its driver)
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
@@ -42,8 +43,8 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "mysql": (f"{_MY}:MySQLBackend", None, "mysql"),
     "mariadb": (f"{_MY}:MySQLBackend", None, "mysql"),
     "mysql+getlock": (f"{_GL}:GetLockBackend", None, "mysql"),
-    "redis": ("latchkey.stores.redis:RedisBackend", None, "redis"),
-    "rediss": ("latchkey.stores.redis:RedisBackend", None, "redis"),
+    "redis": ("latchkey.stores.redis:RedisBackend", f"{_RA}:AsyncRedisBackend", "redis"),
+    "rediss": ("latchkey.stores.redis:RedisBackend", f"{_RA}:AsyncRedisBackend", "redis"),
     "memcached": ("latchkey.stores.memcached:MemcachedBackend", None, "memcached"),
     "mongodb": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
     "mongodb+srv": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
