@@ -667,23 +667,19 @@ def _bulk(value: str | int) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-class _Script:
-    """A Lua script run with EVALSHA (its SHA1 computed here, no round trip), loaded with
-    SCRIPT LOAD only when the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH).
+class PackedScript:
+    """A Lua script's text, its SHA1 (computed here, no round trip) and its EVALSHA command
+    packed here in RESP, so that the client's per-command machinery is skipped on every call:
+    shared by the sync and the asyncio backends."""
 
-    The command is packed here (RESP) and sent over :class:`_Connections`: the client's
-    per-command machinery is skipped on every script call.
-    """
-
-    def __init__(self, client: redis.Redis, connections: _Connections, text: str) -> None:
-        self.client = client
-        self.connections = connections
+    def __init__(self, text: str) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest()
         self._head = b"$7\r\nEVALSHA\r\n" + _bulk(self.sha)
 
-    def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
-        packed = b"".join(
+    def pack(self, keys: Sequence[str], args: Sequence[str | int]) -> bytes:
+        """``EVALSHA sha len(keys) *keys *args`` in RESP."""
+        return b"".join(
             [
                 b"*%d\r\n" % (3 + len(keys) + len(args)),
                 self._head,
@@ -692,6 +688,19 @@ class _Script:
                 *[_bulk(a) for a in args],
             ]
         )
+
+
+class _Script(PackedScript):
+    """A script run with EVALSHA over :class:`_Connections`, loaded with SCRIPT LOAD only when
+    the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH)."""
+
+    def __init__(self, client: redis.Redis, connections: _Connections, text: str) -> None:
+        super().__init__(text)
+        self.client = client
+        self.connections = connections
+
+    def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
+        packed = self.pack(keys, args)
         try:
             return self.connections.call(packed)
         except redis.exceptions.NoScriptError:

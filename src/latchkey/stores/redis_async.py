@@ -1,14 +1,15 @@
 """The Redis store for asyncio (``redis://``, ``rediss://``), on ``redis.asyncio``.
 
 The scripts, the key layout and the reply parsing are the sync store's
-(:mod:`latchkey.stores.redis`); only how bytes move differs. Scripts run through redis-py's
-``register_script`` (EVALSHA, SCRIPT LOAD after NOSCRIPT) over the client's pool, which checks
-a pooled connection before reuse and reconnects one the server closed. A connection that
-errored, timed out or was cancelled mid-command is disconnected by redis-py before it goes
-back to the pool, so it is never reused half-read.
+(:mod:`latchkey.stores.redis`); only how bytes move differs. Scripts run with EVALSHA over
+connections of the client's settings (see :class:`_Connections`); a connection that errored,
+timed out or was cancelled mid-command is disconnected, never reused half-read.
 
-Every network await runs under a deadline of the store's ``timeout`` besides redis-py's socket
-timeouts, so a hung server gives StoreUnavailable in time.
+Timeouts: every network await runs under a deadline of the store's ``timeout``
+(``asyncio.timeout``), and connecting also under redis-py's ``socket_connect_timeout``. The
+connections have no ``socket_timeout`` of their own: on Python 3.11 redis-py enforces it with
+``asyncio.wait_for`` around every send (a task each) and a second timer around every read,
+which tripled the cost of a round trip; the one deadline per primitive bounds the same awaits.
 
 Waiting: one pub/sub connection per backend, read by one task (:class:`_Listener`), wakes
 every waiter of the backend through its own :class:`asyncio.Event`; a waiting coroutine holds
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -45,6 +47,7 @@ from latchkey.stores.redis import (
     RELEASE,
     RELEASE_MANY,
     KeyLayout,
+    PackedScript,
     RedisBackend,
     _dt,
     _grant,
@@ -76,10 +79,11 @@ class AsyncRedisBackend(KeyLayout, AsyncBackend):
         super().__init__(url)
         self.prefix = self.config["prefix"]
         self.client = redis.asyncio.Redis(
-            **connection_settings(url, self.config),
+            **{**connection_settings(url, self.config), "socket_timeout": None},
             retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
         )
-        register = self.client.register_script
+        self._connections = _Connections(self.client)
+        register = self._connections.script
         self._acquire = register(ACQUIRE)
         self._claim = register(CLAIM)
         self._release = register(RELEASE)
@@ -234,14 +238,89 @@ class AsyncRedisBackend(KeyLayout, AsyncBackend):
         with self.translate("init", _ERRORS):
             for script in self._scripts:
                 async with _deadline(self.timeout):
-                    await self.client.script_load(script.script)
+                    await self.client.script_load(script.text)
 
     async def aclose(self) -> None:
         async with self._listener_lock:
             if self._listener is not None:
                 await self._listener.close()
             self._listener = None
+        await self._connections.aclose()
         await self.client.aclose()
+
+
+class _Connections:
+    """The connections scripts go over: redis-py connections made from the client pool's
+    settings (host, db, AUTH, TLS, RESP2), used without the client.
+
+    The client's per-command machinery (the pool's lock and bookkeeping, observability hooks,
+    the retry wrapper, response callbacks) costs about as long as the loopback round trip
+    itself; a script call needs none of it. An idle connection (LIFO) is checked before reuse
+    with redis-py's ``can_read()``: if the server closed it while it sat idle (restart,
+    ``CLIENT KILL``, ``timeout``) or it has bytes nobody asked for, it is reconnected. A
+    connection that failed, timed out or was cancelled mid-command is disconnected and
+    dropped, never reused half-read.
+    """
+
+    def __init__(self, client: redis.asyncio.Redis) -> None:
+        self.client = client
+        pool = client.connection_pool
+        self._new: Callable[[], Any] = functools.partial(
+            pool.connection_class, **pool.connection_kwargs
+        )
+        self.idle: list[Any] = []
+
+    def script(self, text: str) -> _Script:
+        return _Script(self, text)
+
+    async def call(self, packed: bytes) -> Any:
+        """Send one packed command, read its reply."""
+        conn = self.idle.pop() if self.idle else self._new()
+        try:
+            if conn.is_connected and await _stale(conn):
+                await conn.disconnect()
+            await conn.send_packed_command(packed, check_health=False)  # connects if it must
+            reply = await conn.read_response()
+        except redis.ResponseError:  # an error reply, read in full: the connection is fine
+            self.idle.append(conn)
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
+            raise
+        self.idle.append(conn)
+        return reply
+
+    async def aclose(self) -> None:
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                await conn.disconnect()
+
+
+async def _stale(conn: Any) -> bool:
+    """Is there something to read on an idle connection (EOF, stray bytes)?"""
+    try:
+        return bool(await conn.can_read())
+    except (redis.ConnectionError, OSError):
+        return True
+
+
+class _Script(PackedScript):
+    """A script run with EVALSHA over :class:`_Connections`, loaded with SCRIPT LOAD only when
+    the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH)."""
+
+    def __init__(self, connections: _Connections, text: str) -> None:
+        super().__init__(text)
+        self.connections = connections
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
+        packed = self.pack(keys, args)
+        try:
+            return await self.connections.call(packed)
+        except redis.exceptions.NoScriptError:
+            await self.connections.client.script_load(self.text)
+            return await self.connections.call(packed)
 
 
 class _Listener:
