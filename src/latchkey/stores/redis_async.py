@@ -64,8 +64,6 @@ else:  # redis-py itself depends on async-timeout before Python 3.11.3
 
 # asyncio.TimeoutError is TimeoutError (an OSError) from Python 3.11 on, a class of its own before
 _ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError, asyncio.TimeoutError)
-#: How long the listener's reader waits for a message before it simply reads on.
-_IDLE = 60.0
 
 
 class AsyncRedisBackend(KeyLayout, AsyncBackend):
@@ -211,7 +209,7 @@ class AsyncRedisBackend(KeyLayout, AsyncBackend):
         with self.translate("subscribe", _ERRORS):
             async with _deadline(self.timeout):
                 listener = await self._get_listener()
-            event = await listener.add(channel, self.timeout)
+            event = await listener.add(channel)
         return _PushWaiter(listener, channel, event)
 
     async def _get_listener(self) -> _Listener:
@@ -222,7 +220,8 @@ class AsyncRedisBackend(KeyLayout, AsyncBackend):
                     await current.close()
                 self._listener = None
                 pool = self.client.connection_pool  # a connection of its settings, not in it
-                current = _Listener(pool.connection_class(**pool.connection_kwargs))
+                conn = pool.connection_class(**pool.connection_kwargs)
+                current = _Listener(conn, self.timeout)
                 await current.start()
                 self._listener = current
             return current
@@ -336,8 +335,9 @@ class _Listener:
     backend opens a new listener for the next subscribe.
     """
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, timeout: float) -> None:
         self.conn = conn  # made by the pool but not in it: nobody else sends on it
+        self.timeout = timeout
         self.channels: dict[str, set[asyncio.Event]] = {}
         self.subscribed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE's reply
         self.replies: dict[int, asyncio.Future[None]] = {}  # sequence number -> reply read
@@ -360,9 +360,7 @@ class _Listener:
     async def _read(self) -> None:
         try:
             while True:
-                reply = await self.conn.read_response(timeout=_IDLE)
-                if reply is None:  # nothing came within _IDLE: read on
-                    continue
+                reply = await self.conn.read_response()  # no socket timeout: waits for news
                 kind = reply[0]
                 if kind == "message":
                     for event in self.channels.get(reply[1], ()):
@@ -395,12 +393,13 @@ class _Listener:
             if done is not None:
                 self.replies[self.sent] = done
             try:
-                await self.conn.send_command(command, channel, check_health=False)
+                async with _deadline(self.timeout):
+                    await self.conn.send_command(command, channel, check_health=False)
             except BaseException as exc:  # half sent, maybe: redis-py disconnected it
                 self._fail(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
                 raise
 
-    async def add(self, channel: str, timeout: float) -> asyncio.Event:
+    async def add(self, channel: str) -> asyncio.Event:
         """Subscribe a new waiter to ``channel``; returns once the server confirmed it."""
         if self.error is not None:
             raise self.error
@@ -413,11 +412,12 @@ class _Listener:
                 self.subscribed[channel] = subscribed
                 await self._send("SUBSCRIBE", channel, subscribed)
             try:
-                async with _deadline(timeout):
+                async with _deadline(self.timeout):
                     await asyncio.shield(subscribed)  # shared by the channel's waiters
             except asyncio.TimeoutError as exc:  # no reply in time: this connection is done
                 self._fail(exc)
-                raise redis.TimeoutError(f"no reply to SUBSCRIBE within {timeout:g}s") from None
+                unanswered = f"no reply to SUBSCRIBE within {self.timeout:g}s"
+                raise redis.TimeoutError(unanswered) from None
             if self.error is not None:
                 raise self.error
         except BaseException:
