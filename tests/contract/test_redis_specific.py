@@ -6,14 +6,16 @@ or misconfigure a server start their own disposable one, so the shared server st
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,8 +24,9 @@ from redis.crc import key_slot
 import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
-from latchkey.stores import open_backend
+from latchkey.stores import AsyncWaiter, open_async_backend, open_backend
 from latchkey.stores.redis import RedisBackend
+from latchkey.stores.redis_async import AsyncRedisBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
@@ -595,3 +598,241 @@ def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
     assert backend.release("n", "a" * 32) is True  # the parent's connection still works
     with backend.subscribe("n") as waiter:
         assert waiter.wait(0.01) is False
+
+
+# -- asyncio ---------------------------------------------------------------------------------
+
+
+async def _until(probe: Callable[[], Awaitable[object]], what: str, timeout: float = 10) -> None:
+    """Await ``probe`` until it is truthy (the asyncio twin of ``eventually``)."""
+    deadline = time.monotonic() + timeout
+    while not await probe():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def _subscribers(backend: AsyncRedisBackend, name: str) -> Callable[[], Awaitable[int]]:
+    async def count() -> int:
+        reply = await backend.client.pubsub_numsub(backend._keys(name)[0])
+        return int(reply[0][1])
+
+    return count
+
+
+def _async_backend(url: str) -> AsyncRedisBackend:
+    backend = open_async_backend(url)
+    assert isinstance(backend, AsyncRedisBackend)
+    return backend
+
+
+def test_async_cancelled_waiting_acquire_leaves_nothing_held(redis_url: str) -> None:
+    async def main() -> None:
+        store = latchkey.connect_async(redis_url)
+        backend = store.backend
+        assert isinstance(backend, AsyncRedisBackend)
+        subscribers = _subscribers(backend, "n")
+        try:
+            holder = store.lock("n", ttl="60s", wait=0)
+            assert await holder.acquire()
+            task = asyncio.create_task(store.lock("n", ttl="60s", wait="30s").acquire())
+            await _until(lambda: _is(subscribers, 1), "the waiter subscribed")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _until(lambda: _is(subscribers, 0), "the waiter unsubscribed")
+            info = await store.inspect("n")
+            assert info is not None and len(info.holders) == 1 and info.token == holder.token
+            assert await holder.release() is True
+            assert await store.inspect("n") is None
+            # the backend and its listener still work: a new waiter is woken by the release
+            assert await holder.acquire()
+            second = store.lock("n", ttl="60s", wait="30s")
+            task = asyncio.create_task(second.acquire())
+            await _until(lambda: _is(subscribers, 1), "the second waiter subscribed")
+            assert await holder.release() is True
+            assert await asyncio.wait_for(task, 10) is True
+            assert await second.release() is True
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
+async def _is(probe: Callable[[], Awaitable[int]], expected: int) -> bool:
+    return await probe() == expected
+
+
+def test_async_cancelled_command_is_not_reused_half_read(own_server: RunningServer) -> None:
+    """A script call cancelled after it was sent: its reply, when it comes, must not be read
+    as the answer to the next call on the same connection."""
+
+    async def main() -> None:
+        backend = _async_backend(f"{own_server.url}?timeout=5")
+        try:
+            assert isinstance(await backend.acquire("a", "a" * 32, INFO, 60), Grant)
+            os.kill(own_server.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(backend.acquire("b", "b" * 32, INFO, 60), 0.3)
+            finally:
+                os.kill(own_server.pid, signal.SIGCONT)
+            assert await backend.release("a", "a" * 32) is True
+            grant = await backend.acquire("c", "c" * 32, INFO, 60)
+            assert isinstance(grant, Grant) and grant.token == 1
+            assert await backend.inspect("a") is None
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_hung_or_stopped_server_is_unavailable_within_the_timeout(
+    own_server: RunningServer,
+) -> None:
+    async def main() -> None:
+        backend = _async_backend(f"{own_server.url}?timeout=0.5")
+        try:
+            assert isinstance(await backend.acquire("n", "a" * 32, INFO, 30), Grant)
+            await (await backend.subscribe("warm")).close()  # the listener exists now
+            os.kill(own_server.pid, signal.SIGSTOP)  # accepts connections, never answers
+            try:
+                calls: list[Callable[[], Awaitable[object]]] = [
+                    lambda: backend.acquire("m", "b" * 32, INFO, 30),
+                    lambda: backend.subscribe("n"),
+                    lambda: _collect(backend.list()),
+                    backend.now,
+                ]
+                for call in calls:
+                    started = time.monotonic()
+                    with pytest.raises(StoreUnavailable, match="Timeout"):
+                        await call()
+                    assert time.monotonic() - started < 1.5
+            finally:
+                os.kill(own_server.pid, signal.SIGCONT)
+            assert await backend.release("n", "a" * 32) is True
+
+            own_server.stop()
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match=rf"redis store at .*:{own_server.port}"):
+                await backend.acquire("n", "a" * 32, INFO, 30)
+            with pytest.raises(StoreUnavailable, match="subscribe failed"):
+                await backend.subscribe("n")
+            assert time.monotonic() - started < 1.5
+            own_server.start()  # no persistence: a new counter; the next calls reconnect
+            grant = await backend.acquire("n", "b" * 32, INFO, 30)
+            assert isinstance(grant, Grant) and grant.token == 1
+            waiter = await backend.subscribe("n")
+            assert await backend.release("n", "b" * 32) is True
+            assert await waiter.wait(5) is True
+            await waiter.close()
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+
+
+async def _collect(items: AsyncIterator[object]) -> list[object]:
+    return [item async for item in items]
+
+
+def test_async_waiter_is_woken_by_the_release_notice(redis_url: str) -> None:
+    """Counted, not timed: the wait that ends the blocked acquire returns True (woken by the
+    PUBLISH), and every later attempt followed one wait."""
+
+    async def main() -> None:
+        store = latchkey.connect_async(redis_url)
+        backend = store.backend
+        assert isinstance(backend, AsyncRedisBackend)
+        attempts, waits = [0], list[bool]()
+        long_wait = asyncio.Event()  # a wait long enough for a notice to arrive in it
+        acquire, subscribe = backend.acquire, backend.subscribe
+
+        async def counting_acquire(*args: Any) -> Any:
+            attempts[0] += 1
+            return await acquire(*args)
+
+        async def counting_subscribe(name: str) -> AsyncWaiter:
+            waiter = await subscribe(name)
+            wait = waiter.wait
+
+            async def counted(timeout: float) -> bool:
+                if timeout >= 0.3:
+                    long_wait.set()
+                woke = await wait(timeout)
+                waits.append(woke)
+                return woke
+
+            waiter.wait = counted  # type: ignore[method-assign]
+            return waiter
+
+        try:
+            holder = store.lock("n", ttl="60s", wait=0)
+            assert await holder.acquire()
+            backend.acquire = counting_acquire  # type: ignore[method-assign]
+            backend.subscribe = counting_subscribe  # type: ignore[method-assign]
+            waiter = store.lock("n", ttl="60s", wait="30s")
+            task = asyncio.create_task(waiter.acquire())
+            await asyncio.wait_for(long_wait.wait(), 20)
+            assert await holder.release() is True
+            assert await asyncio.wait_for(task, 10) is True
+            assert waits[-1] is True, waits  # woken by the notice, not by the end of a wait
+            # the first attempt, the one right after subscribing, then one after each wait
+            assert attempts[0] == len(waits) + 2, (attempts, waits)
+            assert await waiter.release() is True
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) -> None:
+    async def main() -> None:
+        backend = _async_backend(redis_url)
+        try:
+            names = [f"w{i}" for i in range(10)]
+            waiters = await asyncio.gather(*(backend.subscribe(names[i % 10]) for i in range(1000)))
+            clients = await backend.client.client_list()
+            assert sum(int(c["sub"]) > 0 for c in clients) == 1
+            channels = await backend.client.pubsub_channels(f"{backend.prefix}*")
+            assert sorted(channels) == sorted(backend._keys(n)[0] for n in names)
+            assert isinstance(await backend.acquire("w0", "a" * 32, INFO, 30), Grant)
+            assert await backend.release("w0", "a" * 32) is True
+            woken = await asyncio.gather(*(w.wait(10) for w in waiters[0::10]))
+            assert all(woken) and len(woken) == 100
+            assert await waiters[1].wait(0.05) is False  # w1 was not released
+            await asyncio.gather(*(w.close() for w in waiters))
+            await _until(
+                lambda: _none(backend.client.pubsub_channels(f"{backend.prefix}*")), "unsubscribed"
+            )
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+
+
+async def _none(items: Awaitable[list[Any]]) -> bool:
+    return not await items
+
+
+def test_async_aclose_closes_the_connections_and_the_listener(redis_url: str) -> None:
+    async def main() -> None:
+        backend = _async_backend(redis_url)
+        admin = _async_backend(redis_url)
+        try:
+            assert isinstance(await backend.acquire("n", "a" * 32, INFO, 30), Grant)
+            waiter = await backend.subscribe("n")
+            before = len(await admin.client.client_list())
+            await backend.aclose()
+            assert await waiter.wait(0.01) is False
+            await waiter.close()
+
+            async def gone() -> bool:
+                return len(await admin.client.client_list()) <= before - 2
+
+            await _until(gone, "the backend's connections closed")
+            assert not [t for t in asyncio.all_tasks() if t.get_name() == "latchkey-redis-listener"]
+        finally:
+            await admin.aclose()
+
+    asyncio.run(main())

@@ -31,7 +31,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -332,65 +332,41 @@ def _info(name: str, flat: Sequence[Any]) -> LockInfo | None:
     return LockInfo(name, tuple(holders))
 
 
-class RedisBackend(Backend):
-    """Leases, claims and records in Redis, one Lua script per primitive."""
-
-    scheme: ClassVar[str] = "redis"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        durable=False, push=True, survives_eviction=False
-    )
-    options = {
-        "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
-        "ssl_cert_reqs": Option(
-            choice("required", "optional", "none"), "required", "rediss://: verify the server"
-        ),
-        "ssl_ca_certs": Option(str, None, "rediss://: CA bundle file"),
+def connection_settings(url: StoreURL, config: dict[str, Any]) -> dict[str, Any]:
+    """The redis-py client arguments for ``url`` (sync and asyncio clients take the same):
+    one host, the db number from the path, AUTH, TLS, the store's timeout on every socket
+    operation, RESP2 (from Redis 5 on; pub/sub replies are plain arrays)."""
+    if len(url.hosts) > 1:
+        raise ConfigError(f"{url.scheme} store: one host only (got {len(url.hosts)})")
+    db_text = url.path.strip("/") or "0"
+    if not db_text.isdigit():
+        raise ConfigError(
+            f"{url.scheme} store: the URL path must be a db number, not {url.path!r}"
+        )
+    ssl: dict[str, Any] = {}
+    if url.scheme == "rediss":
+        ssl = {"ssl": True, "ssl_cert_reqs": config["ssl_cert_reqs"]}
+        if config["ssl_ca_certs"]:
+            ssl["ssl_ca_certs"] = config["ssl_ca_certs"]
+    return {
+        "host": url.host or "localhost",
+        "port": url.port or 6379,
+        "db": int(db_text),
+        "username": url.username,
+        "password": url.password,
+        "socket_timeout": config["timeout"],
+        "socket_connect_timeout": config["timeout"],
+        "decode_responses": True,
+        "protocol": 2,
+        **ssl,
     }
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
-        if len(url.hosts) > 1:
-            raise ConfigError(f"{url.scheme} store: one host only (got {len(url.hosts)})")
-        db_text = url.path.strip("/") or "0"
-        if not db_text.isdigit():
-            raise ConfigError(
-                f"{url.scheme} store: the URL path must be a db number, not {url.path!r}"
-            )
-        self.prefix: str = self.config["prefix"]
-        ssl: dict[str, Any] = {}
-        if url.scheme == "rediss":
-            ssl = {"ssl": True, "ssl_cert_reqs": self.config["ssl_cert_reqs"]}
-            if self.config["ssl_ca_certs"]:
-                ssl["ssl_ca_certs"] = self.config["ssl_ca_certs"]
-        self.client = redis.Redis(
-            host=url.host or "localhost",
-            port=url.port or 6379,
-            db=int(db_text),
-            username=url.username,
-            password=url.password,
-            socket_timeout=self.timeout,
-            socket_connect_timeout=self.timeout,
-            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
-            decode_responses=True,
-            protocol=2,  # RESP2: works from Redis 5 on; pub/sub replies are plain arrays
-            **ssl,
-        )
-        self._connections = _Connections(self.client.connection_pool)
-        register = functools.partial(_Script, self.client, self._connections)
-        self._acquire = register(ACQUIRE)
-        self._claim = register(CLAIM)
-        self._release = register(RELEASE)
-        self._release_many = register(RELEASE_MANY)
-        self._extend = register(EXTEND)
-        self._inspect = register(INSPECT)
-        self._force_release = register(FORCE_RELEASE)
-        self._purge = register(PURGE)
-        self._record_set = register(RECORD_SET)
-        self._record_delete = register(RECORD_DELETE)
-        self._listener: _Listener | None = None
-        self._listener_lock = threading.Lock()
 
-    # -- keys ------------------------------------------------------------------------------
+class KeyLayout:
+    """The key layout of the module docstring, for a backend with a ``prefix``: shared by
+    the sync and the asyncio backends."""
+
+    prefix: str
 
     def _base(self, name: str) -> str:
         """``P{hex of the name's UTF-8}``: the KEYS entry of every script for ``name``."""
@@ -413,11 +389,61 @@ class RedisBackend(Backend):
         except ValueError:
             return None
 
-    def _scan_names(self, prefix: str) -> list[str]:
-        """Names with a lease key, in name order (hex is prefix- and order-preserving)."""
-        pattern = f"{self.prefix}{{{prefix.encode('utf-8').hex()}*}}:lease*"
-        names = {self._name_of(key) for key in self.client.scan_iter(match=pattern, count=1000)}
+    def _record_key(self, name: str) -> str:
+        return f"{self._base(name)}:record"
+
+    def _scan_pattern(self, prefix: str) -> str:
+        """The SCAN MATCH pattern of the lease keys of names starting with ``prefix``."""
+        return f"{self.prefix}{{{prefix.encode('utf-8').hex()}*}}:lease*"
+
+    def _names(self, keys: Iterable[str], prefix: str) -> list[str]:
+        """The names behind lease keys found by SCAN, in name order (hex is prefix- and
+        order-preserving)."""
+        names = {self._name_of(key) for key in keys}
         return sorted(n for n in names if n is not None and n.startswith(prefix))
+
+
+class RedisBackend(KeyLayout, Backend):
+    """Leases, claims and records in Redis, one Lua script per primitive."""
+
+    scheme: ClassVar[str] = "redis"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        durable=False, push=True, survives_eviction=False
+    )
+    options = {
+        "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
+        "ssl_cert_reqs": Option(
+            choice("required", "optional", "none"), "required", "rediss://: verify the server"
+        ),
+        "ssl_ca_certs": Option(str, None, "rediss://: CA bundle file"),
+    }
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.prefix = self.config["prefix"]
+        self.client = redis.Redis(
+            **connection_settings(url, self.config),
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+        )
+        self._connections = _Connections(self.client.connection_pool)
+        register = functools.partial(_Script, self.client, self._connections)
+        self._acquire = register(ACQUIRE)
+        self._claim = register(CLAIM)
+        self._release = register(RELEASE)
+        self._release_many = register(RELEASE_MANY)
+        self._extend = register(EXTEND)
+        self._inspect = register(INSPECT)
+        self._force_release = register(FORCE_RELEASE)
+        self._purge = register(PURGE)
+        self._record_set = register(RECORD_SET)
+        self._record_delete = register(RECORD_DELETE)
+        self._listener: _Listener | None = None
+        self._listener_lock = threading.Lock()
+
+    def _scan_names(self, prefix: str) -> list[str]:
+        """Names with a lease key, in name order."""
+        pattern = self._scan_pattern(prefix)
+        return self._names(self.client.scan_iter(match=pattern, count=1000), prefix)
 
     # -- leases ----------------------------------------------------------------------------
     # acquire, release and extend catch errors inline: cheaper than translate() on hot paths.
@@ -498,9 +524,6 @@ class RedisBackend(Backend):
             return int(self._release_many([self._base(n) for n in names], [owner]))
 
     # -- versioned records -----------------------------------------------------------------
-
-    def _record_key(self, name: str) -> str:
-        return f"{self._base(name)}:record"
 
     def record_get(self, name: str) -> tuple[str | None, int]:
         with self.translate("record_get", _ERRORS):
@@ -644,23 +667,19 @@ def _bulk(value: str | int) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
-class _Script:
-    """A Lua script run with EVALSHA (its SHA1 computed here, no round trip), loaded with
-    SCRIPT LOAD only when the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH).
+class PackedScript:
+    """A Lua script's text, its SHA1 (computed here, no round trip) and its EVALSHA command
+    packed here in RESP, so that the client's per-command machinery is skipped on every call:
+    shared by the sync and the asyncio backends."""
 
-    The command is packed here (RESP) and sent over :class:`_Connections`: the client's
-    per-command machinery is skipped on every script call.
-    """
-
-    def __init__(self, client: redis.Redis, connections: _Connections, text: str) -> None:
-        self.client = client
-        self.connections = connections
+    def __init__(self, text: str) -> None:
         self.text = text
         self.sha = hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest()
         self._head = b"$7\r\nEVALSHA\r\n" + _bulk(self.sha)
 
-    def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
-        packed = b"".join(
+    def pack(self, keys: Sequence[str], args: Sequence[str | int]) -> bytes:
+        """``EVALSHA sha len(keys) *keys *args`` in RESP."""
+        return b"".join(
             [
                 b"*%d\r\n" % (3 + len(keys) + len(args)),
                 self._head,
@@ -669,6 +688,19 @@ class _Script:
                 *[_bulk(a) for a in args],
             ]
         )
+
+
+class _Script(PackedScript):
+    """A script run with EVALSHA over :class:`_Connections`, loaded with SCRIPT LOAD only when
+    the server answers NOSCRIPT (first use, restart, SCRIPT FLUSH)."""
+
+    def __init__(self, client: redis.Redis, connections: _Connections, text: str) -> None:
+        super().__init__(text)
+        self.client = client
+        self.connections = connections
+
+    def __call__(self, keys: Sequence[str], args: Sequence[str | int] = ()) -> Any:
+        packed = self.pack(keys, args)
         try:
             return self.connections.call(packed)
         except redis.exceptions.NoScriptError:
