@@ -63,6 +63,9 @@ from latchkey.stores.mysql_getlock import (
 
 T = TypeVar("T")
 
+#: Waits in the server at once per backend (one extra session each).
+MAX_SERVER_WAITS = 16
+
 
 class _Session:
     """One connection and its one cursor, reused by every call on it."""
@@ -96,6 +99,10 @@ class AsyncGetLockBackend(AsyncBackend):
         self._main: _Session | None = None
         self._idle: list[_Session] = []  # extra sessions holding nothing, for the next wait
         self._waiting: set[_Session] = set()  # extra sessions in a wait
+        # At most this many waits in the server at once: each needs a session of its own, and
+        # a thousand waiting coroutines must not open a thousand (the server's max_connections).
+        # The others poll for a turn, holding nothing.
+        self._server_waits = 0
         # key -> (owner token, owner_info, the session holding it): this backend's locks.
         self._held: dict[str, tuple[str, str, _Session]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # statements running under the mutex
@@ -269,6 +276,19 @@ class AsyncGetLockBackend(AsyncBackend):
             raise Unsupported(f"the {self.scheme} store does not support semaphores")
         key = self.key(name)
         action = f"wait for {name!r}"
+        if self._server_waits >= MAX_SERVER_WAITS:
+            # Every turn to wait in the server is taken: answer at once, and the core polls
+            # (with backoff, holding nothing) until a turn is free or the name is.
+            return Busy(1)
+        self._server_waits += 1
+        try:
+            return await self._wait_in_server(key, name, owner, owner_info, action, timeout)
+        finally:
+            self._server_waits -= 1
+
+    async def _wait_in_server(
+        self, key: str, name: str, owner: str, owner_info: str, action: str, timeout: float | None
+    ) -> Grant | Busy:
         session = await self._checkout(action)
         seconds = wait_seconds(timeout, session.fractions)
         try:
@@ -277,13 +297,16 @@ class AsyncGetLockBackend(AsyncBackend):
                 session.cur.execute(WAIT_LOCK, (key, seconds)), self.timeout + seconds
             )
             if taken == 1:
-                self._waiting.discard(session)
-                stale = self._held.get(key)
-                if stale is not None and stale[2] is not self._main:
-                    # Only its session's end frees a key an extra session held, and it held
-                    # no other: lose it, nothing else is lost.
-                    self._lose(stale[2])
-                self._held[key] = (owner, owner_info, session)
+                # Under the mutex, as in the sync backend: a release whose RELEASE_LOCK handed
+                # the key to this wait finishes its bookkeeping first.
+                async with self._mutex:
+                    self._waiting.discard(session)
+                    stale = self._held.get(key)
+                    if stale is not None and stale[2] is not self._main:
+                        # Only its session's end frees a key an extra session held, and it
+                        # held no other: lose it, nothing else is lost.
+                        self._lose(stale[2])
+                    self._held[key] = (owner, owner_info, session)
                 return HELD
             await bounded(session.cur.execute(HOLDER_OF, (key,)), self.timeout)
             got, holder_id = (await session.cur.fetchall())[0]
@@ -317,7 +340,10 @@ class AsyncGetLockBackend(AsyncBackend):
             except ASYNC_DRIVER_ERRORS:
                 self._lose(session)  # the session is gone, and its locks with it
                 return False
-            del self._held[key]
+            if self._held.get(key) is entry:
+                # (While RELEASE_LOCK was answered, the server may have granted the key to a
+                # wait of ours on another session, which recorded itself here: keep that.)
+                del self._held[key]
             if session is not self._main:
                 self._rest(session)
             return released == 1
@@ -342,7 +368,8 @@ class AsyncGetLockBackend(AsyncBackend):
                 await self._reachable(action)
                 return None
             if holds != 1:  # the session lives on but no longer holds it
-                del self._held[key]
+                if self._held.get(key) is entry:
+                    del self._held[key]
                 if session is not self._main:
                     self._rest(session)
                 return None
