@@ -215,15 +215,6 @@ def test_mutex_and_semaphore_holders_of_one_name_count_together(backend: RedisBa
     assert isinstance(backend.acquire("n", "d" * 32, INFO, 30, limit=1), Grant)
 
 
-def test_retried_acquire_by_the_same_owner_keeps_its_token(backend: RedisBackend) -> None:
-    for limit in (1, 2):
-        first = backend.acquire(f"n{limit}", "a" * 32, INFO, 5, limit=limit)
-        again = backend.acquire(f"n{limit}", "a" * 32, INFO, 30, limit=limit)
-        assert isinstance(first, Grant) and isinstance(again, Grant)
-        assert again.token == first.token and again.expires_at > first.expires_at  # type: ignore[operator]
-        assert len(backend.inspect(f"n{limit}").holders) == 1  # type: ignore[union-attr]
-
-
 def test_purge_counts_expired_semaphore_entries(backend: RedisBackend) -> None:
     backend.acquire("sem", "a" * 32, INFO, 0.2, limit=2)
     backend.acquire("sem", "b" * 32, INFO, 60, limit=2)

@@ -115,12 +115,13 @@ local function busy(base, now)
   end
   return {#h / 2, h[best], tonumber(h[best + 1]), now}
 end
--- a grant is the string "token:expires ms"; busy is a table (see ACQUIRE)
+-- a grant is the string "token:expires ms", or "token:expires ms:ms left" for the owner's own
+-- live lease found again (as it is: not renewed); busy is a table (see ACQUIRE)
 local function take(base, owner, info, now, ttl, limit)
   local holder, rec = mutex_holder(base)
   if holder == owner then
-    redis.call('PEXPIRE', base .. ':lease', ttl)
-    return token_of(rec) .. ':' .. (now + ttl)
+    local left = redis.call('PTTL', base .. ':lease')
+    return token_of(rec) .. ':' .. (now + left) .. ':' .. left
   end
   if limit == 1 then
     if holder or live_members(base, now) > 0 then return busy(base, now) end
@@ -133,10 +134,9 @@ local function take(base, owner, info, now, ttl, limit)
   drop_expired(base, now)
   local expires = now + ttl
   local mine = redis.call('HGET', owners, owner)
-  if mine then
-    redis.call('ZADD', leases, expires, owner)
-    keep_until_last(base)
-    return token_of(mine) .. ':' .. expires
+  if mine then  -- live: drop_expired just removed the expired ones
+    local ends = tonumber(redis.call('ZSCORE', leases, owner))
+    return token_of(mine) .. ':' .. ends .. ':' .. (ends - now)
   end
   local live = redis.call('ZCARD', leases) + (holder and 1 or 0)
   if live >= limit then return busy(base, now) end
@@ -169,9 +169,10 @@ _LUA = _LUA_PROLOGUE + _LUA_HELPERS
 # helpers: a script that returns early never builds the helpers' closures, and runs only the
 # commands a hand-written lock would, plus TIME and the fencing INCR.
 
-# Take a slot of one name. A retried acquire by the same owner renews its own lease.
+# Take a slot of one name. An owner that already holds a live lease gets it back as it is.
 # KEYS: the name's base key.  ARGV: owner, owner_info, ttl ms, limit (absent: 1).
-# Returns the string "token:expires ms", or, when `limit` live holders exist, the table
+# Returns the string "token:expires ms" ("token:expires ms:ms left" for the owner's own live
+#         lease), or, when `limit` live holders exist, the table
 #         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
 # Fast path: a mutex on a name with no key of either shape (one EXISTS for both) is free. Any
 # holder, or a zset its expired semaphore holders left (it outlives its last score by 1 ms),
@@ -306,8 +307,10 @@ def _dt(ms: int | float | str) -> datetime:
 
 
 def _grant(reply: str) -> Grant:
-    token, _, expires = reply.partition(":")
-    return Grant(int(token), _dt(expires))
+    """``token:expires ms``, or ``token:expires ms:ms left`` for a lease found again."""
+    token, _, rest = reply.partition(":")
+    expires, _, left = rest.partition(":")
+    return Grant(int(token), _dt(expires), int(left) / 1000 if left else None)
 
 
 def _ttl_ms(ttl: float) -> int:
