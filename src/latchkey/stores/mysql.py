@@ -96,14 +96,16 @@ TAKE_EXPIRED = """
     acquired_at = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(acquired_at), acquired_at),
     expires_at  = IF(expires_at <= UTC_TIMESTAMP(6), VALUES(expires_at), expires_at)"""
 
-# One lease as one tab-joined text column: ours → '1', token, expires_at; another owner's →
+# One lease as one tab-joined text column: ours → '1', token, expires_at, microseconds until it
+# ends (the owner's own live lease found again is answered as it is); another owner's →
 # '0', token, expires_at, acquired_at, microseconds until it ends, owner_info (last: the JSON
 # never holds a raw tab). One column, not six: PyMySQL parses every column descriptor in
 # Python, which cost more than the statement itself; and a grant (the usual answer) carries
 # neither the owner JSON nor the times it does not need. The alias keeps the column's name
 # (otherwise this text, sent and parsed at every call) short. {me}: the owner token's marker.
 LEASE_TEXT = """IF(owner = {me},
-    CONCAT_WS(CHAR(9 USING utf8mb4), 1, token, expires_at),
+    CONCAT_WS(CHAR(9 USING utf8mb4), 1, token, expires_at,
+              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at)),
     CONCAT_WS(CHAR(9 USING utf8mb4), 0, token, expires_at, acquired_at,
               TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)) AS lease"""
 
@@ -132,13 +134,17 @@ VALUES (?, 0, ?, ?, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROS
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED}
 RETURNING {LEASE_TEXT.format(me="?")}"""
 
-# Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the
-# lowest free slot below the limit (an expired row, or a missing slot number); that is only
+# Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the slot
+# the owner already holds live, if any (the upsert then leaves it as it is), else the lowest
+# free slot below the limit (an expired row, or a missing slot number); that is only
 # a hint: the upsert takes it only if it is still free, and when none was free it targets
 # slot 0, which changes nothing unless slot 0 has just expired (then it is free: fine).
 ACQUIRE_SLOT = f"""
 SET @lk_name = %(name)s;
 SET @lk_slot = IFNULL((
+    SELECT MIN(slot) FROM {{t}}
+     WHERE name = @lk_name AND owner = %(owner)s AND expires_at > UTC_TIMESTAMP(6)
+), IFNULL((
     SELECT MIN(f.slot) FROM (
         SELECT slot FROM {{t}}
          WHERE name = @lk_name AND slot < %(limit)s AND expires_at <= UTC_TIMESTAMP(6)
@@ -149,7 +155,7 @@ SET @lk_slot = IFNULL((
         SELECT a.slot + 1 FROM {{t}} a
          WHERE a.name = @lk_name AND a.slot + 1 < %(limit)s
            AND NOT EXISTS (SELECT 1 FROM {{t}} b WHERE b.name = @lk_name AND b.slot = a.slot + 1)
-    ) AS f), 0);
+    ) AS f), 0));
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
 VALUES (@lk_name, @lk_slot, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
         UTC_TIMESTAMP(6) + INTERVAL %(ttl_us)s MICROSECOND)
@@ -394,8 +400,8 @@ class MySQLBackend(Backend):
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
         for lease in leases:
-            if lease[0] == "1":  # ours: '1', token, expires_at
-                return Grant(int(lease[1]), _datetime(lease[2]))
+            if lease[0] == "1":  # ours: '1', token, expires_at, microseconds left
+                return Grant(int(lease[1]), _datetime(lease[2]), int(lease[3]) / 1e6)
         if not leases:
             return Busy(0)  # the lease we found live ended before we read it: retry
         _, token, expires, acquired, micros, info = leases[0]

@@ -254,8 +254,8 @@ class AsyncMySQLBackend(AsyncBackend):
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in answer[0]]
         for lease in leases:
-            if lease[0] == "1":  # ours: '1', token, expires_at
-                return Grant(int(lease[1]), _datetime(lease[2]))
+            if lease[0] == "1":  # ours: '1', token, expires_at, microseconds left
+                return Grant(int(lease[1]), _datetime(lease[2]), int(lease[3]) / 1e6)
         if not leases:
             return Busy(0)  # the lease we found live ended before we read it: retry
         _, token, expires, acquired, micros, info = leases[0]

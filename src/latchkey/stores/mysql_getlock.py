@@ -293,6 +293,8 @@ class GetLockBackend(Backend):
             try:
                 main = self._session()
                 entry = self._held.get(key)
+                if entry is not None and entry[0] == owner:  # this owner's own hold, as it is
+                    return HELD
                 if entry is not None:  # ours already, for another owner (no re-entry)
                     return Busy(1, Holder(None, Owner.from_json(entry[1]), None, None))
                 if main.cur.execute(TRY_LOCK, (key,)) == 1:
