@@ -30,7 +30,6 @@ from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import psycopg
 
-from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL
 from latchkey.errors import Unsupported
@@ -43,15 +42,20 @@ from latchkey.stores.pg_advisory import (
     INSPECT,
     NOW,
     TERMINATE,
-    TRY_LOCK,
+    TRY_LOCK_PQ,
     UNLOCK,
     UNLOCK_MANY,
+    UNLOCK_PQ,
     WAIT_LOCK,
     WAIT_SHARE,
     AdvisoryBackend,
     _halves,
     _owner_from_session,
     advisory_key,
+    held_here,
+    key_values,
+    local_holder,
+    said_yes,
 )
 from latchkey.stores.postgresql import DRIVER_ERRORS, connection_params, utc
 from latchkey.stores.postgresql_async import NET_ERRORS, AsyncSession
@@ -140,11 +144,6 @@ class AsyncAdvisoryBackend(AsyncBackend):
         self._sweep(session)
         return False
 
-    @staticmethod
-    def _local_holder(hold: _Hold) -> Holder:
-        return Holder(token=None, owner=Owner.from_json(hold.owner_info), acquired_at=None,
-                      expires_at=None)  # fmt: skip
-
     def _busy(self, key: int, found: Sequence[Any] | None) -> Busy:
         """A busy answer naming the holder HOLDER ``found`` (ours if one of our sessions)."""
         if found is None:  # released between our attempt and the look-up
@@ -152,7 +151,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
         pid, app, client = found
         hold = self._held.get(key)
         if hold is not None and hold.pid == pid:
-            return Busy(holders=1, holder=self._local_holder(hold))
+            return Busy(holders=1, holder=local_holder(hold.owner_info))
         return Busy(holders=1, holder=Holder(None, _owner_from_session(app, client), None, None))
 
     # -- sessions ------------------------------------------------------------------------------
@@ -266,9 +265,11 @@ class AsyncAdvisoryBackend(AsyncBackend):
                 conn = await self._main()
                 local = self._held.get(key)
                 if local is not None:  # on the main session, re-entry would succeed
-                    return Busy(holders=1, holder=self._local_holder(local))
-                rows = await session.query(conn, TRY_LOCK, {"key": key})
-                if rows[0][0]:
+                    return held_here(local.owner, local.owner_info, owner)
+                result = await session.run_prepared(
+                    conn, b"latchkey_try_lock", TRY_LOCK_PQ, key_values(key)
+                )
+                if said_yes(result):
                     self._record(key, _Hold(owner, owner_info, session, session.generation,
                                             conn.pgconn.backend_pid))  # fmt: skip
                     return _GRANTED
@@ -337,7 +338,9 @@ class AsyncAdvisoryBackend(AsyncBackend):
                     return False
                 assert session.conn is not None
                 try:
-                    rows = await session.query(session.conn, UNLOCK, {"key": key})
+                    result = await session.run_prepared(
+                        session.conn, b"latchkey_unlock", UNLOCK_PQ, key_values(key)
+                    )
                 except NET_ERRORS as exc:
                     if isinstance(exc, asyncio.TimeoutError) or session.broken():
                         await self._lost(session)  # the session ended: the lock with it
@@ -347,7 +350,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
                     await self._interrupted(session, [key])  # unlocked, or its session closed
                     raise
                 self._unrecord(key, hold)
-                return bool(rows[0][0])
+                return said_yes(result)
         finally:
             await self._settle(session)
 
