@@ -58,9 +58,14 @@ from latchkey.stores.pg_advisory import (
     said_yes,
 )
 from latchkey.stores.postgresql import DRIVER_ERRORS, connection_params, utc
-from latchkey.stores.postgresql_async import NET_ERRORS, AsyncSession
+from latchkey.stores.postgresql_async import NET_ERRORS, AsyncSession, guarded
 
 _GRANTED = Grant(token=None, expires_at=None)  # every grant: no token, no expiry
+#: At most this many waits in the server at once per backend (each on its own spare session,
+#: one connection each): one loop may run a thousand waiting coroutines, the server accepts
+#: a few hundred connections. The others wait in the loop for a turn (first come, first
+#: served); a turn that does not come within one wait's cap is one more try instead.
+MAX_WAITS = 32
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
@@ -93,6 +98,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
         self._spares: dict[AsyncSession, int | None] = {}  # every spare -> the key it holds
         self._idle: list[AsyncSession] = []  # spares holding nothing, not waiting
         self._waiting: set[AsyncSession] = set()  # spares in acquire_blocking
+        self._turns = asyncio.Semaphore(MAX_WAITS)  # waits in the server (see MAX_WAITS)
         self._swept = 0  # the main session's generation whose stale holds were dropped
 
     def key(self, name: str) -> int:
@@ -294,10 +300,26 @@ class AsyncAdvisoryBackend(AsyncBackend):
         the lock then lives on that spare. Busy when one wait ends without the lock."""
         if limit != 1:
             raise Unsupported(f"the {self.scheme} store does not support semaphores")
-        key = self.key(name)
         ms = self._wait_cap_ms
         if timeout is not None:
             ms = max(1, min(ms, math.ceil(timeout * 1000)))  # 0 would mean "no limit"
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        try:
+            await guarded(self._turns.acquire(), ms / 1000)
+        except asyncio.TimeoutError:  # MAX_WAITS others wait in the server all along
+            return await self.acquire(name, owner, owner_info, ttl, limit)
+        try:
+            ms = max(1, ms - int((loop.time() - asked) * 1000))  # what the turn left of it
+            return await self._wait_in_server(name, owner, owner_info, ms)
+        finally:
+            self._turns.release()
+
+    async def _wait_in_server(
+        self, name: str, owner: str, owner_info: str, ms: int
+    ) -> Grant | Busy:
+        """One wait of up to ``ms`` in the server, on a spare session (see acquire_blocking)."""
+        key = self.key(name)
         session = self._spare()
         stale, found = None, None
         try:
