@@ -3,7 +3,8 @@
 The same keys, statements and session rules as :mod:`latchkey.stores.pg_advisory` (imported
 from there): locks are tried and quick statements run on a *main* session; a blocked acquire
 waits in the server (``pg_advisory_lock`` under ``lock_timeout``) on a *spare* session that
-holds nothing, and the lock then lives on that spare until it is released. The map
+holds nothing, and the lock then lives on that spare until it is released; at most
+``MAX_WAITS`` such waits at once, the other waiters wait in the loop for a turn. The map
 ``key -> _Hold`` says which owner holds which key on which session (and connection
 generation); every statement about a lock runs on the session that holds it.
 

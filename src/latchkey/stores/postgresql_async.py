@@ -9,6 +9,10 @@ from there); only how the bytes move differs:
   ``tcp_user_timeout``, as the sync store sets them) and by a local deadline a second past
   ``timeout``. A connection that timed out, failed, or whose coroutine was cancelled
   mid-statement is closed, never reused half-read; the next call opens a new one.
+- The uncontended acquire and release skip psycopg's ``execute`` as the sync store's do:
+  libpq directly (``psycopg.pq``), prepared once per connection, ``send_query_prepared``, the
+  event loop watching the socket (:meth:`AsyncSession.run_prepared`), binary results decoded
+  by the sync module's functions.
 - Waiting is the sync store's queue with hand-off: one ``LISTEN`` connection per backend
   (:class:`AsyncListener`) read by one task through ``AsyncConnection.notifies()``; it wakes
   the waiters (:class:`AsyncHandoffWaiter`, each an :class:`asyncio.Event`) of a released
