@@ -1352,3 +1352,118 @@ def test_async_stopped_server_is_unavailable_then_the_connection_is_replaced(
             assert await lock.release()
 
     asyncio.run(main())
+
+
+def test_async_statements_through_libpq_keep_the_values_and_survive_deallocate_all(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The asyncio backends' acquire/release go through libpq with the loop watching the
+    socket (AsyncSession.run_prepared): the same values as the row, prepared once per
+    connection, prepared again after psycopg's DEALLOCATE ALL."""
+    url = _url(pg_base, "postgresql")
+    table = url.rsplit("table=", 1)[1]
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store, latchkey.connect_async(
+            url.replace("postgresql://", "postgresql+advisory://").replace("table=", "prefix=")
+        ) as advisory:
+            backend: Any = store.backend
+            owner = _owner()
+            grant = await backend.acquire("n\x00é'", owner, INFO, 12.5)
+            assert isinstance(grant, Grant)
+            row = await asyncio.to_thread(lambda: sql.execute(
+                f'SELECT token, expires_at FROM "{table}" WHERE name = %s',
+                ("n\x00é'".encode(),)).fetchone())  # fmt: skip
+            assert row is not None and (grant.token, grant.expires_at) == row
+            assert await backend.release("n\x00é'", owner) is True
+            assert await backend.release("n\x00é'", owner) is False
+            for b in (backend, advisory.backend):
+                assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
+                assert await b.release("m", owner) is True
+                assert b._session.prepared  # what run_prepared made
+                conn = b._session.conn
+                await conn.execute("DEALLOCATE ALL")  # as psycopg does after a ROLLBACK
+                assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
+                assert await b.release("m", owner) is True
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["acquire", "release"])
+def test_async_a_statement_cancelled_in_flight_discards_its_connection(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]], where: str
+) -> None:
+    """A coroutine cancelled while its statement runs in the server (here: blocked on a row
+    lock another connection holds) leaves no half-read connection behind: it is closed, and
+    the next call opens a new one and works."""
+    url = _url(pg_base, "postgresql")
+    table = url.rsplit("table=", 1)[1]
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store:
+            backend: Any = store.backend
+            owner = _owner()
+            await backend.init()
+            if where == "release":
+                assert isinstance(await backend.acquire("n", owner, INFO, 60), Grant)
+            blocker = await psycopg.AsyncConnection.connect(pg_base)
+            try:
+                await blocker.execute(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE')
+                conn_before = backend._session.conn
+                call = (backend.acquire("n", owner, INFO, 60) if where == "acquire"
+                        else backend.release("n", owner))  # fmt: skip
+                task = asyncio.ensure_future(call)
+                while not await asyncio.to_thread(lambda: sql.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                ).fetchone()[0]):  # type: ignore[index]
+                    assert not task.done()
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert backend._session.conn is None and conn_before.closed
+            finally:
+                await blocker.rollback()
+                await blocker.close()
+            if where == "release":  # the lease is still ours: the cancelled release never ran
+                assert await backend.release("n", owner) is True
+            assert isinstance(await backend.acquire("n", owner, INFO, 60), Grant)
+            assert await backend.release("n", owner) is True
+
+    asyncio.run(main())
+
+
+def test_async_advisory_waits_in_the_server_are_capped_and_the_rest_wait_their_turn(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """More waiters than MAX_WAITS: only MAX_WAITS spare sessions wait in the server (the
+    server's connections are few); every waiter still gets the lock in turn."""
+    from latchkey.stores.pg_advisory_async import MAX_WAITS
+
+    url = _url(pg_base, "postgresql+advisory", timeout="30s")
+    count = MAX_WAITS + 20
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as holding, latchkey.connect_async(url) as store:
+            holder = holding.lock("n")
+            assert await holder.acquire()
+            taken: list[int] = []
+
+            async def waiter(i: int) -> None:
+                async with store.lock("n", wait="60s"):
+                    taken.append(i)
+
+            def waiting() -> int:
+                return _waiting_now(sql, url, "postgresql+advisory")
+
+            tasks = [asyncio.ensure_future(waiter(i)) for i in range(count)]
+            while await asyncio.to_thread(waiting) < MAX_WAITS:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # had the cap not held, more would be waiting by now
+            assert await asyncio.to_thread(waiting) == MAX_WAITS
+            assert not taken
+            assert await holder.release()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert sorted(taken) == list(range(count))
+
+    asyncio.run(main())

@@ -129,6 +129,16 @@ TRY_LOCK_PQ = positional(TRY_LOCK.encode())[0]
 UNLOCK_PQ = positional(UNLOCK.encode())[0]
 
 
+def key_values(key: int) -> tuple[bytes]:
+    """TRY_LOCK_PQ's and UNLOCK_PQ's one parameter, encoded (text)."""
+    return (b"%d" % key,)
+
+
+def said_yes(result: psycopg.pq.abc.PGresult) -> bool:
+    """TRY_LOCK_PQ's or UNLOCK_PQ's text result: whether it locked (unlocked) the key."""
+    return result.get_value(0, 0) == b"t"
+
+
 @functools.lru_cache(maxsize=4096)  # names repeat; hashing is a fifth of the Python time
 def advisory_key(name: str, prefix: str = "") -> int:
     """The 64-bit advisory-lock key of ``name``: BLAKE2b-64 of ``prefix NUL name``, signed."""
@@ -155,6 +165,21 @@ def _owner_from_session(application_name: str | None, client: str | None) -> Own
 
 
 _GRANTED = Grant(token=None, expires_at=None)  # every grant: no token, no expiry
+
+
+def local_holder(owner_info: str) -> Holder:
+    """The holder of a lock this backend holds, from its owner's JSON."""
+    return Holder(token=None, owner=Owner.from_json(owner_info), acquired_at=None,
+                  expires_at=None)  # fmt: skip
+
+
+def held_here(hold_owner: str, hold_info: str, owner: str) -> Grant | Busy:
+    """The answer to an acquire of a key this backend already holds (never asked of the
+    server: on the holding session, re-entry would succeed): ``owner``'s own hold back, as
+    it is (the same-owner rule of ``Backend.acquire``); anyone else finds it busy."""
+    if hold_owner == owner:
+        return _GRANTED
+    return Busy(holders=1, holder=local_holder(hold_info))
 
 
 class _Hold(NamedTuple):
@@ -320,11 +345,6 @@ class AdvisoryBackend(Backend):
         self._mutex = threading.Lock()
         self._held, self._spares, self._idle, self._waiting = {}, {}, [], set()  # the parent's
 
-    @staticmethod
-    def _local_holder(hold: _Hold) -> Holder:
-        return Holder(token=None, owner=Owner.from_json(hold.owner_info), acquired_at=None,
-                      expires_at=None)  # fmt: skip
-
     def _busy(self, key: int, found: tuple[Any, ...] | None) -> Busy:
         """A busy answer naming the holder that HOLDER ``found`` (ours if one of our sessions)."""
         if found is None:  # released between our attempt and the look-up
@@ -333,7 +353,7 @@ class AdvisoryBackend(Backend):
         with self._mutex:
             hold = self._held.get(key)
         if hold is not None and hold.pid == pid:
-            return Busy(holders=1, holder=self._local_holder(hold))
+            return Busy(holders=1, holder=local_holder(hold.owner_info))
         return Busy(holders=1, holder=Holder(None, _owner_from_session(app, client), None, None))
 
     # -- leases --------------------------------------------------------------------------------
@@ -349,11 +369,11 @@ class AdvisoryBackend(Backend):
                 conn = self._main()
                 local = self._held.get(key)
                 if local is not None:  # on the main session, re-entry would succeed
-                    return Busy(holders=1, holder=self._local_holder(local))
-                taken = self._session.run_prepared(
-                    b"latchkey_try_lock", TRY_LOCK_PQ, (b"%d" % key,)
-                ).get_value(0, 0)
-                if taken == b"t":
+                    return held_here(local.owner, local.owner_info, owner)
+                result = self._session.run_prepared(
+                    b"latchkey_try_lock", TRY_LOCK_PQ, key_values(key)
+                )
+                if said_yes(result):
                     hold = _Hold(owner, owner_info, self._session, self._session.generation,
                                  conn.pgconn.backend_pid)  # fmt: skip
                     with self._mutex:
@@ -427,9 +447,7 @@ class AdvisoryBackend(Backend):
                 if not self._check(key, hold):
                     return False
                 try:
-                    held = session.run_prepared(
-                        b"latchkey_unlock", UNLOCK_PQ, (b"%d" % key,)
-                    ).get_value(0, 0)
+                    result = session.run_prepared(b"latchkey_unlock", UNLOCK_PQ, key_values(key))
                 except DRIVER_ERRORS as exc:
                     if session.broken():  # the session ended: the lock ended with it
                         self._sweep(session)
@@ -437,7 +455,7 @@ class AdvisoryBackend(Backend):
                     self.unavailable(exc, f"release {name!r}")
                 with self._mutex:
                     self._unrecord(key, hold)
-                return held == b"t"
+                return said_yes(result)
         finally:
             self._settle(session)
 

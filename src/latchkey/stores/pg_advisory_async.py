@@ -3,7 +3,8 @@
 The same keys, statements and session rules as :mod:`latchkey.stores.pg_advisory` (imported
 from there): locks are tried and quick statements run on a *main* session; a blocked acquire
 waits in the server (``pg_advisory_lock`` under ``lock_timeout``) on a *spare* session that
-holds nothing, and the lock then lives on that spare until it is released. The map
+holds nothing, and the lock then lives on that spare until it is released; at most
+``MAX_WAITS`` such waits at once, the other waiters wait in the loop for a turn. The map
 ``key -> _Hold`` says which owner holds which key on which session (and connection
 generation); every statement about a lock runs on the session that holds it.
 
@@ -30,7 +31,6 @@ from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import psycopg
 
-from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, StoreURL
 from latchkey.errors import Unsupported
@@ -43,20 +43,30 @@ from latchkey.stores.pg_advisory import (
     INSPECT,
     NOW,
     TERMINATE,
-    TRY_LOCK,
+    TRY_LOCK_PQ,
     UNLOCK,
     UNLOCK_MANY,
+    UNLOCK_PQ,
     WAIT_LOCK,
     WAIT_SHARE,
     AdvisoryBackend,
     _halves,
     _owner_from_session,
     advisory_key,
+    held_here,
+    key_values,
+    local_holder,
+    said_yes,
 )
 from latchkey.stores.postgresql import DRIVER_ERRORS, connection_params, utc
-from latchkey.stores.postgresql_async import NET_ERRORS, AsyncSession
+from latchkey.stores.postgresql_async import NET_ERRORS, AsyncSession, guarded
 
 _GRANTED = Grant(token=None, expires_at=None)  # every grant: no token, no expiry
+#: At most this many waits in the server at once per backend (each on its own spare session,
+#: one connection each): one loop may run a thousand waiting coroutines, the server accepts
+#: a few hundred connections. The others wait in the loop for a turn (first come, first
+#: served); a turn that does not come within one wait's cap is one more try instead.
+MAX_WAITS = 32
 _IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
@@ -89,6 +99,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
         self._spares: dict[AsyncSession, int | None] = {}  # every spare -> the key it holds
         self._idle: list[AsyncSession] = []  # spares holding nothing, not waiting
         self._waiting: set[AsyncSession] = set()  # spares in acquire_blocking
+        self._turns = asyncio.Semaphore(MAX_WAITS)  # waits in the server (see MAX_WAITS)
         self._swept = 0  # the main session's generation whose stale holds were dropped
 
     def key(self, name: str) -> int:
@@ -140,11 +151,6 @@ class AsyncAdvisoryBackend(AsyncBackend):
         self._sweep(session)
         return False
 
-    @staticmethod
-    def _local_holder(hold: _Hold) -> Holder:
-        return Holder(token=None, owner=Owner.from_json(hold.owner_info), acquired_at=None,
-                      expires_at=None)  # fmt: skip
-
     def _busy(self, key: int, found: Sequence[Any] | None) -> Busy:
         """A busy answer naming the holder HOLDER ``found`` (ours if one of our sessions)."""
         if found is None:  # released between our attempt and the look-up
@@ -152,7 +158,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
         pid, app, client = found
         hold = self._held.get(key)
         if hold is not None and hold.pid == pid:
-            return Busy(holders=1, holder=self._local_holder(hold))
+            return Busy(holders=1, holder=local_holder(hold.owner_info))
         return Busy(holders=1, holder=Holder(None, _owner_from_session(app, client), None, None))
 
     # -- sessions ------------------------------------------------------------------------------
@@ -266,9 +272,11 @@ class AsyncAdvisoryBackend(AsyncBackend):
                 conn = await self._main()
                 local = self._held.get(key)
                 if local is not None:  # on the main session, re-entry would succeed
-                    return Busy(holders=1, holder=self._local_holder(local))
-                rows = await session.query(conn, TRY_LOCK, {"key": key})
-                if rows[0][0]:
+                    return held_here(local.owner, local.owner_info, owner)
+                result = await session.run_prepared(
+                    conn, b"latchkey_try_lock", TRY_LOCK_PQ, key_values(key)
+                )
+                if said_yes(result):
                     self._record(key, _Hold(owner, owner_info, session, session.generation,
                                             conn.pgconn.backend_pid))  # fmt: skip
                     return _GRANTED
@@ -293,10 +301,26 @@ class AsyncAdvisoryBackend(AsyncBackend):
         the lock then lives on that spare. Busy when one wait ends without the lock."""
         if limit != 1:
             raise Unsupported(f"the {self.scheme} store does not support semaphores")
-        key = self.key(name)
         ms = self._wait_cap_ms
         if timeout is not None:
             ms = max(1, min(ms, math.ceil(timeout * 1000)))  # 0 would mean "no limit"
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        try:
+            await guarded(self._turns.acquire(), ms / 1000)
+        except asyncio.TimeoutError:  # MAX_WAITS others wait in the server all along
+            return await self.acquire(name, owner, owner_info, ttl, limit)
+        try:
+            ms = max(1, ms - int((loop.time() - asked) * 1000))  # what the turn left of it
+            return await self._wait_in_server(name, owner, owner_info, ms)
+        finally:
+            self._turns.release()
+
+    async def _wait_in_server(
+        self, name: str, owner: str, owner_info: str, ms: int
+    ) -> Grant | Busy:
+        """One wait of up to ``ms`` in the server, on a spare session (see acquire_blocking)."""
+        key = self.key(name)
         session = self._spare()
         stale, found = None, None
         try:
@@ -337,7 +361,9 @@ class AsyncAdvisoryBackend(AsyncBackend):
                     return False
                 assert session.conn is not None
                 try:
-                    rows = await session.query(session.conn, UNLOCK, {"key": key})
+                    result = await session.run_prepared(
+                        session.conn, b"latchkey_unlock", UNLOCK_PQ, key_values(key)
+                    )
                 except NET_ERRORS as exc:
                     if isinstance(exc, asyncio.TimeoutError) or session.broken():
                         await self._lost(session)  # the session ended: the lock with it
@@ -347,7 +373,7 @@ class AsyncAdvisoryBackend(AsyncBackend):
                     await self._interrupted(session, [key])  # unlocked, or its session closed
                     raise
                 self._unrecord(key, hold)
-                return bool(rows[0][0])
+                return said_yes(result)
         finally:
             await self._settle(session)
 

@@ -132,16 +132,21 @@ FROM {locks} WHERE name = %(name)s AND slot = 0 AND expires_at > now()
 
 # Inputs: name, owner, owner_info, ttl (s), limit. A semaphore: takes the lowest free slot
 # of ``name`` if fewer than ``limit`` leases are live (expired rows are taken over, live ones
-# never). Always one result row: (token, expires_at) when granted, else NULLs; then the live
-# count and the soonest-expiring live holder (token, owner_info, acquired_at, expires_at,
-# seconds until it expires).
+# never) and ``owner`` holds none of them. Always one result row: (token, expires_at) when
+# granted, else NULLs; then the live count and the soonest-expiring live holder (token,
+# owner_info, acquired_at, expires_at, seconds until it expires); then owner's own live lease
+# if it already had one (token, expires_at, seconds left), which is the answer: never a
+# second slot.
 ACQUIRE_SLOT = """
 WITH live AS (
-    SELECT slot, token, owner_info, acquired_at, expires_at FROM {locks}
+    SELECT slot, owner, token, owner_info, acquired_at, expires_at FROM {locks}
     WHERE name = %(name)s AND expires_at > now()
+), mine AS (
+    SELECT token, expires_at FROM live WHERE owner = %(owner)s ORDER BY slot LIMIT 1
 ), pick AS (
     SELECT s.slot FROM generate_series(0, %(limit)s::integer - 1) AS s (slot)
     WHERE (SELECT count(*) FROM live) < %(limit)s::integer
+      AND NOT EXISTS (SELECT 1 FROM mine)
       AND s.slot NOT IN (SELECT slot FROM live)
     ORDER BY s.slot LIMIT 1
 ), taken AS (
@@ -157,9 +162,11 @@ WITH live AS (
 )
 SELECT taken.token, taken.expires_at, (SELECT count(*) FROM live),
        soonest.token, soonest.owner_info, soonest.acquired_at, soonest.expires_at,
-       extract(epoch FROM soonest.expires_at - now())::float8
+       extract(epoch FROM soonest.expires_at - now())::float8,
+       mine.token, mine.expires_at, extract(epoch FROM mine.expires_at - now())::float8
 FROM (SELECT 1) AS one
 LEFT JOIN taken ON true
+LEFT JOIN mine ON true
 LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON true
 """
 
@@ -350,6 +357,29 @@ FAST_PARAMS: Mapping[str, tuple[str, ...]] = {
     "acquire_mutex": ("name", "owner", "owner_info", "ttl"),
     "release": ("name", "owner", "channel"),
 }
+
+
+#: The parameter formats of the fast statements (FAST_PARAMS order): the name in binary.
+MUTEX_FORMATS = (1, 0, 0, 0)
+RELEASE_FORMATS = (1, 0, 0)
+
+
+def mutex_values(name: str, owner: str, owner_info: str, ttl: float) -> tuple[bytes, ...]:
+    """ACQUIRE_MUTEX's parameters for ``run_prepared``, encoded (MUTEX_FORMATS)."""
+    return (name.encode(), owner.encode(), owner_info.encode(), repr(float(ttl)).encode())
+
+
+def mutex_granted(result: psycopg.pq.abc.PGresult) -> Grant | None:
+    """ACQUIRE_MUTEX's binary result: the new lease, or None when the name is held."""
+    if not result.ntuples:
+        return None
+    return Grant(token=_int8(result.get_value(0, 0)),
+                 expires_at=_timestamptz(result.get_value(0, 1)))  # fmt: skip
+
+
+def was_live(result: psycopg.pq.abc.PGresult) -> bool:
+    """RELEASE's binary result: whether the owner's lease was still live."""
+    return bool(result.ntuples) and result.get_value(0, 0) == b"\x01"
 
 
 def _int8(value: bytes | None) -> int:
@@ -654,6 +684,12 @@ def result_error(result: psycopg.pq.abc.PGresult) -> psycopg.Error:
     return cls(message or "the statement failed")
 
 
+def deallocated(result: psycopg.pq.abc.PGresult) -> bool:
+    """Whether a prepared statement failed because it no longer exists (SQLSTATE 26000):
+    psycopg sends DEALLOCATE ALL after a DROP or a ROLLBACK it ran on the connection."""
+    return result.error_field(SQLSTATE) == b"26000"
+
+
 class Session:
     """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
 
@@ -699,7 +735,7 @@ class Session:
             status = result.status
             if status in (TUPLES_OK, COMMAND_OK):
                 return result
-            if not (again and result.error_field(SQLSTATE) == b"26000"):
+            if not (again and deallocated(result)):
                 break
             # Deallocated behind our back (psycopg sends DEALLOCATE ALL after a DROP or a
             # ROLLBACK it ran on this connection): prepare it again, once.
@@ -808,6 +844,20 @@ def render(context: Any, table: str, schema: str | None, template: str) -> bytes
     ).as_bytes(context)
 
 
+def render_all(
+    context: Any, table: str, schema: str | None
+) -> tuple[dict[str, bytes], dict[str, tuple[bytes, bytes]]]:
+    """Every statement rendered (key -> query), and the hot ones (FAST_PARAMS) in server-side
+    form for ``run_prepared`` (key -> (prepared statement name, query with $n placeholders))."""
+    rendered = {key: render(context, table, schema, text) for key, text in STATEMENTS.items()}
+    fast: dict[str, tuple[bytes, bytes]] = {}
+    for key, names in FAST_PARAMS.items():
+        query, order = positional(rendered[key])
+        assert order == names, (key, order)
+        fast[key] = (b"latchkey_" + key.encode(), query)
+    return rendered, fast
+
+
 def check_schema_version(backend: Any, row: Sequence[Any] | None) -> None:
     """Refuse tables (SELECT_VERSION's ``row``) from a newer latchkey."""
     found = int(row[0]) if row else SCHEMA_VERSION
@@ -831,7 +881,9 @@ def mutex_busy(row: Sequence[Any] | None) -> Grant | Busy:
 
 def slot_answer(row: Sequence[Any]) -> Grant | Busy:
     """The answer of a semaphore acquire, from ACQUIRE_SLOT's one row."""
-    token, expires, live, h_token, h_info, h_acquired, h_expires, left = row
+    token, expires, live, h_token, h_info, h_acquired, h_expires, left, *mine = row
+    if mine[0] is not None:  # owner already holds a slot: that lease, as it is
+        return Grant(token=mine[0], expires_at=utc(mine[1]), remaining=max(0.0, mine[2]))
     if token is not None:
         return Grant(token=token, expires_at=utc(expires))
     soonest = holder(h_token, h_info, h_acquired, h_expires) if h_token is not None else None
@@ -873,11 +925,7 @@ class PostgreSQLBackend(Backend):
     def _render_all(self, conn: psycopg.Connection[Any]) -> None:
         """Render every statement once (:attr:`_sql`), and the hot ones in server-side form
         for :meth:`Session.run_prepared` (:attr:`_pq`)."""
-        self._sql = {key: self._render(conn, text) for key, text in STATEMENTS.items()}
-        for key, names in FAST_PARAMS.items():
-            query, order = positional(self._sql[key])
-            assert order == names, (key, order)
-            self._pq[key] = (b"latchkey_" + key.encode(), query)
+        self._sql, self._pq = render_all(conn, self.table, self.schema)
 
     def _create(self, conn: psycopg.Connection[Any]) -> None:
         """Create what is missing, one process at a time; refuse tables from a newer version."""
@@ -948,24 +996,24 @@ class PostgreSQLBackend(Backend):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
     ) -> Grant | Busy:
-        key = name.encode()
         if limit == 1:
-            values = (key, owner.encode(), owner_info.encode(), repr(float(ttl)).encode())
-            result = self._fast("acquire_mutex", values, (1, 0, 0, 0), "acquire", name)
-            if result.ntuples:
-                return Grant(token=_int8(result.get_value(0, 0)),
-                             expires_at=_timestamptz(result.get_value(0, 1)))  # fmt: skip
-            rows, _ = self._run(f"acquire {name!r}", "holder", {"name": key, "owner": owner})
+            values = mutex_values(name, owner, owner_info, ttl)
+            result = self._fast("acquire_mutex", values, MUTEX_FORMATS, "acquire", name)
+            grant = mutex_granted(result)
+            if grant is not None:
+                return grant
+            rows, _ = self._run(f"acquire {name!r}", "holder",
+                                {"name": values[0], "owner": owner})  # fmt: skip
             return mutex_busy(rows[0] if rows else None)
-        params = {"name": key, "owner": owner, "owner_info": owner_info, "ttl": float(ttl),
-                  "limit": limit}
+        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
+                  "ttl": float(ttl), "limit": limit}
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
         return slot_answer(rows[0])
 
     def release(self, name: str, owner: str) -> bool:
         result = self._fast("release", (name.encode(), owner.encode(), self._channel),
-                            (1, 0, 0), "release", name)  # fmt: skip
-        return bool(result.ntuples) and result.get_value(0, 0) == b"\x01"
+                            RELEASE_FORMATS, "release", name)  # fmt: skip
+        return was_live(result)
 
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
