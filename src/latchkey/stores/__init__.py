@@ -45,8 +45,10 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "redis": ("latchkey.stores.redis:RedisBackend", None, "redis"),
     "rediss": ("latchkey.stores.redis:RedisBackend", None, "redis"),
     "memcached": ("latchkey.stores.memcached:MemcachedBackend", None, "memcached"),
-    "mongodb": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
-    "mongodb+srv": ("latchkey.stores.mongodb:MongoDBBackend", None, "mongodb"),
+    "mongodb": ("latchkey.stores.mongodb:MongoDBBackend",
+                "latchkey.stores.mongodb_async:AsyncMongoDBBackend", "mongodb"),
+    "mongodb+srv": ("latchkey.stores.mongodb:MongoDBBackend",
+                    "latchkey.stores.mongodb_async:AsyncMongoDBBackend", "mongodb"),
 }  # fmt: skip
 
 
