@@ -76,8 +76,10 @@ def _debian_uri() -> str:
             continue
         for line in path.read_text().splitlines():
             words = line.split()
-            if line.startswith("URIs:") and len(words) > 1 and words[1].rstrip("/").endswith(
-                "/debian"
+            if (
+                line.startswith("URIs:")
+                and len(words) > 1
+                and words[1].rstrip("/").endswith("/debian")
             ):
                 return words[1].rstrip("/")
             if words[:1] == ["deb"]:

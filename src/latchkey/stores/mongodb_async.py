@@ -9,13 +9,18 @@ coroutine is the core's ``asyncio.sleep``.
 Timeouts are the driver's, as in the sync store: server selection, connect and every socket
 read are bounded by the URL's ``timeout``. The driver closes a connection whose operation
 failed, timed out or was cancelled (it never returns a half-read one to its pool), and the
-next call connects again.
+next call connects again. A request that may grant a lease (acquire, claim) is not dropped
+when its caller is cancelled: it finishes first, so that the core's release after the
+cancellation reaches the server after it (see :func:`_to_the_end`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from datetime import datetime
+from typing import Any, TypeVar
 
 from pymongo import AsyncMongoClient, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
@@ -52,6 +57,27 @@ from latchkey.stores.mongodb import (
 )
 
 _ERRORS = (PyMongoError,)
+T = TypeVar("T")
+
+
+async def _to_the_end(request: Coroutine[Any, Any, T]) -> T:
+    """Await a request that may grant leases; if the caller is cancelled meanwhile, let the
+    request finish first (the driver's timeouts bound it), then pass the cancellation on.
+
+    After a cancellation the core releases what the owner may hold. Were the request dropped
+    mid-flight instead, its connection closed, the server could still run it *after* that
+    release, which then finds nothing, and the lease would stay held until its TTL.
+    """
+    task = asyncio.ensure_future(request)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller gets the cancellation
+        raise
 
 
 class AsyncMongoDBBackend(AsyncBackend):
@@ -89,14 +115,15 @@ class AsyncMongoDBBackend(AsyncBackend):
     ) -> Grant | Busy:
         with self.translate("acquire", _ERRORS):
             await self._ensure_index()
+            request = self.locks.find_one_and_update(
+                {"_id": name},
+                ACQUIRE,
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+                let=lock_let(owner, owner_info, ttl, limit),
+            )
             try:
-                doc = await self.locks.find_one_and_update(
-                    {"_id": name},
-                    ACQUIRE,
-                    upsert=True,
-                    return_document=ReturnDocument.AFTER,
-                    let=lock_let(owner, owner_info, ttl, limit),
-                )
+                doc = await _to_the_end(request)
             except DuplicateKeyError:
                 return Busy(0)  # two first acquires raced to insert: the core retries at once
         return acquired(doc, owner)
@@ -151,10 +178,11 @@ class AsyncMongoDBBackend(AsyncBackend):
     ) -> dict[str, Grant]:
         with self.translate("claim", _ERRORS):
             await self._ensure_index()
+            request = self.locks.bulk_write(
+                claim_requests(names), ordered=False, let=lock_let(owner, owner_info, ttl, 1)
+            )
             try:
-                await self.locks.bulk_write(
-                    claim_requests(names), ordered=False, let=lock_let(owner, owner_info, ttl, 1)
-                )
+                await _to_the_end(request)
             except BulkWriteError as exc:
                 if not claim_lost_races_only(exc):
                     raise
