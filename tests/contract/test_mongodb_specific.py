@@ -8,19 +8,22 @@ tests/servers/mongodb.py); without one it is skipped, never faked.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
+import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
-from latchkey.stores import open_backend
+from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.mongodb import MongoDBBackend
+from latchkey.stores.mongodb_async import AsyncMongoDBBackend
 from tests.conftest import ServerPool
 from tests.servers import RunningServer, ServerUnavailable, free_port
 
@@ -254,3 +257,191 @@ def test_server_restart_keeps_leases(
         server.start()
     assert isinstance(backend.acquire("job", B, INFO, 60), Busy)
     assert backend.release("job", A) is True
+
+
+# -- the asyncio backend -----------------------------------------------------------------------
+
+
+def _open_async(url: str) -> AsyncMongoDBBackend:
+    backend = open_async_backend(url)
+    assert isinstance(backend, AsyncMongoDBBackend)
+    return backend
+
+
+def test_async_refused_connection_is_unavailable_within_the_timeout() -> None:
+    port = free_port()
+
+    async def main() -> None:
+        b = _open_async(f"mongodb://app:s3cret@127.0.0.1:{port}?timeout=500ms")
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: b.acquire("n", A, INFO, 10),
+            lambda: b.release("n", A),
+            lambda: b.extend("n", A, 10),
+            lambda: b.inspect("n"),
+            lambda: _collect(b.list("n")),
+            lambda: b.force_release("n"),
+            lambda: b.purge_expired(),
+            lambda: b.claim(["n", "m"], A, INFO, 10),
+            lambda: b.release_many(["n"], A),
+            lambda: b.record_get("n"),
+            lambda: b.record_set("n", "1", 0),
+            lambda: b.record_delete("n", 1),
+            lambda: b.now(),
+            lambda: b.init(),
+        ]
+        try:
+            for call in calls:
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable) as caught:
+                    await call()
+                assert time.monotonic() - started < 2.5
+                assert "s3cret" not in str(caught.value)
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+async def _collect(items: AsyncIterator[Any]) -> list[Any]:
+    return [item async for item in items]
+
+
+def test_async_stopped_server_is_unavailable_within_the_timeout_then_recovers(
+    server_pool: ServerPool, mongo_url: str
+) -> None:
+    server: RunningServer | None = server_pool.running.get("mongodb")
+    if server is None:
+        pytest.skip("mongodb: uses an existing server (env var); will not stop it")
+
+    async def main() -> None:
+        b = _open_async(f"{mongo_url}&timeout=1s")
+        try:
+            assert isinstance(await b.acquire("job", A, INFO, 60), Grant)
+            server.stop()
+            try:
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await b.acquire("job", B, INFO, 60)
+                assert time.monotonic() - started < 1 + 2.5
+            finally:
+                server.start()
+            # The dead connection was discarded: the same backend works again.
+            assert isinstance(await b.acquire("job", B, INFO, 60), Busy)
+            assert await b.release("job", A) is True
+        finally:
+            await b.locks.drop()
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_cancelled_requests_leave_nothing_held_and_the_backend_working(
+    mongo_url: str,
+) -> None:
+    """Cancel acquires at every point of their round trip (before sending, waiting for the
+    reply, after it): the core's release after a cancellation leaves no lease held, and the
+    connection the driver was using is not reused half-read.
+
+    With idle connections in the pool, that release goes out at once on another connection;
+    had the acquire been dropped mid-flight, the server could run it after the release
+    (seen: 2 names of 200 left held), so the backend lets it finish first."""
+
+    async def main() -> None:
+        store = latchkey.connect_async(mongo_url)
+        backend = store.backend
+        try:
+            await backend.init()
+            await asyncio.gather(*(backend.now() for _ in range(8)))  # idle connections
+            started = time.monotonic()
+            for _ in range(10):
+                await backend.acquire("warm", A, INFO, 10)
+            round_trip = (time.monotonic() - started) / 10
+            cancelled = 0
+            for i in range(300):
+                lock = store.lock(f"c{i}", ttl=60, wait=0)
+                task = asyncio.create_task(lock.acquire())
+                await asyncio.sleep(round_trip * (i % 25) / 20)
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    cancelled += 1
+                else:  # it finished first: the lock is held, and ours to release
+                    assert await lock.release() is True
+            assert cancelled >= 100  # the delays did reach into the round trips
+            assert [info.name async for info in store.list("c")] == []
+            for i in range(300):  # every name free, the backend answering in order
+                lock = store.lock(f"c{i}", ttl=60, wait=0)
+                assert await lock.acquire() is True
+                assert await lock.release() is True
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_cancelling_a_waiting_acquire_leaves_nothing_held(
+    backend: MongoDBBackend, mongo_url: str
+) -> None:
+    assert isinstance(backend.acquire("job", A, INFO, 60), Grant)
+
+    async def main() -> None:
+        store = latchkey.connect_async(mongo_url)
+        attempts = 0
+        acquire = store.backend.acquire
+
+        async def counting(*args: Any) -> Grant | Busy:
+            nonlocal attempts
+            attempts += 1
+            return await acquire(*args)
+
+        store.backend.acquire = counting  # type: ignore[method-assign]
+        try:
+            task = asyncio.create_task(store.lock("job", ttl=60, wait=60).acquire())
+            while attempts < 3:  # waiting: polled the store more than once
+                assert not task.done()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            info = await store.inspect("job")
+            assert info is not None and len(info.holders) == 1  # still only A's lease
+            assert backend.release("job", A) is True
+            lock = store.lock("job", ttl=60, wait=0)
+            assert await lock.acquire() is True
+            assert await lock.release() is True
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_waiters_hold_no_thread_and_are_all_served(
+    backend: MongoDBBackend, mongo_url: str
+) -> None:
+    assert isinstance(backend.acquire("job", A, INFO, 60), Grant)
+
+    async def main() -> None:
+        store = latchkey.connect_async(mongo_url)
+        served: list[int] = []
+
+        async def worker(i: int) -> None:
+            async with store.lock("job", ttl=60, wait=120):
+                served.append(i)
+
+        try:
+            # Connected, with a connection per waiter: the driver's own tasks are running and
+            # its name lookups (on the loop's executor, when connecting) are done.
+            await asyncio.gather(*(store.inspect("job") for _ in range(10)))
+            threads = threading.active_count()
+            tasks = [asyncio.create_task(worker(i)) for i in range(10)]
+            await asyncio.sleep(0.3)
+            assert threading.active_count() <= threads
+            assert served == []
+            backend.release("job", A)
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            assert sorted(served) == list(range(10))
+        finally:
+            await store.aclose()
+
+    asyncio.run(main())

@@ -54,8 +54,8 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "redis": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),
-    "mongodb": _store("mongodb", "MongoDBBackend", None, "mongodb"),
-    "mongodb+srv": _store("mongodb", "MongoDBBackend", None, "mongodb"),
+    "mongodb": _store("mongodb", "MongoDBBackend", "AsyncMongoDBBackend", "mongodb"),
+    "mongodb+srv": _store("mongodb", "MongoDBBackend", "AsyncMongoDBBackend", "mongodb"),
 }
 
 

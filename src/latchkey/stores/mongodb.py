@@ -27,6 +27,7 @@ replica set, and latchkey does not require one.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -195,6 +196,130 @@ def _holder(data: Mapping[str, Any]) -> Holder:
     )
 
 
+def client_settings(url: StoreURL, timeout: float) -> tuple[str, str, dict[str, Any]]:
+    """The connection string, database name and client keyword arguments for ``url``: the
+    same for the sync and the asyncio client. Raises ConfigError for a bad URL."""
+    if not url.hosts:
+        raise ConfigError(f"{url.scheme} store: the URL names no host")
+    database = url.path.strip("/") or "latchkey"
+    if not _DATABASE.match(database):
+        raise ConfigError(
+            f"{url.scheme} store: database {database!r} must be letters, digits, _ and -"
+        )
+    netloc = url.raw.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    given = {k: v for k, v in url.query.items() if k in _PASSTHROUGH}
+    # pymongo unquotes values (unquote_plus), except authMechanismProperties' "K:V,K:V".
+    query = "&".join(f"{k}={quote_plus(v, safe=':,/')}" for k, v in given.items())
+    path = f"/{database}" if url.path.strip("/") else "/"
+    uri = f"{url.scheme}://{netloc}{path}" + (f"?{query}" if query else "")
+    ms = max(1, round(timeout * 1000))
+    kwargs: dict[str, Any] = {
+        "connect": False,
+        "tz_aware": True,
+        "serverSelectionTimeoutMS": ms,
+        "connectTimeoutMS": ms,
+        "socketTimeoutMS": ms,
+    }
+    if "w" not in given:
+        kwargs["w"] = "majority"
+    if "appName" not in given:
+        kwargs["appname"] = "latchkey"
+    return uri, database, kwargs
+
+
+@contextlib.contextmanager
+def config_errors(url: StoreURL) -> Iterator[None]:
+    """Creating a client: a bad option value (pymongo only warns about some) is ConfigError."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            yield
+    except (ConfigurationError, ValueError, TypeError, UserWarning) as exc:
+        raise ConfigError(
+            f"{url.scheme} store at {url.redacted()}: {url.scrub(str(exc))}"
+        ) from None
+
+
+def lock_let(owner: str, info: str = "", ttl: float = 0.0, limit: int = 1) -> Document:
+    """The ``let`` variables of the lease pipelines; user strings are literals."""
+    return {
+        "owner": {"$literal": owner},
+        "info": {"$literal": info},
+        "ttl": max(1, round(ttl * 1000)),
+        "limit": limit,
+    }
+
+
+def acquired(doc: Mapping[str, Any] | None, owner: str) -> Grant | Busy:
+    """Read the document an acquire returned: the caller's grant, or who keeps it busy."""
+    holders = (doc or {}).get("holders") or []
+    for data in holders:
+        if data.get("owner") == owner:
+            return Grant(int(data["token"]), _utc(data["expires"]))
+    if not holders:
+        return Busy(0)
+    soonest = min(holders, key=lambda h: h["expires"])
+    return Busy(len(holders), _holder(soonest))
+
+
+def extended(doc: Mapping[str, Any] | None, owner: str) -> Grant | None:
+    """Read the document an extend returned: the caller's lease, if it was live."""
+    for data in (doc or {}).get("holders") or []:
+        if data.get("owner") == owner:
+            return Grant(int(data["token"]), _utc(data["expires"]))
+    return None
+
+
+def inspect_pipeline(name: str) -> Pipeline:
+    return [{"$match": {"_id": name}}, {"$project": {"holders": _LIVE}}]
+
+
+def list_pipeline(prefix: str) -> Pipeline:
+    """Documents with live holders from ``prefix`` on, in _id order (stop past the prefix:
+    see :func:`past_prefix`)."""
+    start: Pipeline = [{"$match": {"_id": {"$gte": prefix}}}] if prefix else []
+    return [
+        *start,
+        {"$sort": {"_id": 1}},
+        {"$project": {"holders": _LIVE}},
+        {"$match": {"holders.0": {"$exists": True}}},
+    ]
+
+
+def past_prefix(doc: Mapping[str, Any], prefix: str) -> bool:
+    """True once the _id order (UTF-8 byte order) has left the prefix's range."""
+    return not isinstance(doc["_id"], str) or not doc["_id"].startswith(prefix)
+
+
+def claim_requests(names: Sequence[str]) -> list[UpdateOne]:
+    return [UpdateOne({"_id": n}, ACQUIRE, upsert=True) for n in names]
+
+
+def claim_lost_races_only(exc: BulkWriteError) -> bool:
+    """True if a claim's bulk write failed only where two first acquires raced to insert (busy
+    names); any other write error fails the claim."""
+    errors = exc.details.get("writeErrors", [])
+    return not exc.details.get("writeConcernErrors") and all(
+        e.get("code") == _DUPLICATE_KEY for e in errors
+    )
+
+
+def claimed_filter(names: Sequence[str], owner: str) -> tuple[Document, Document]:
+    """The find (filter, projection) of the names a claim took."""
+    return {"_id": {"$in": list(names)}, "holders.owner": owner}, {
+        "holders": {"$elemMatch": {"owner": owner}}
+    }
+
+
+def claimed(doc: Mapping[str, Any]) -> Grant:
+    data = doc["holders"][0]
+    return Grant(int(data["token"]), _utc(data["expires"]))
+
+
+def record_reply(doc: Mapping[str, Any] | None) -> tuple[str | None, int]:
+    return (None, 0) if doc is None else (str(doc["d"]), int(doc["v"]))
+
+
 class MongoDBBackend(Backend):
     """Leases as MongoDB documents; every primitive is one single-document (or bulk) command."""
 
@@ -207,39 +332,9 @@ class MongoDBBackend(Backend):
 
     def __init__(self, url: StoreURL) -> None:
         super().__init__(url)
-        if not url.hosts:
-            raise ConfigError(f"{url.scheme} store: the URL names no host")
-        database = url.path.strip("/") or "latchkey"
-        if not _DATABASE.match(database):
-            raise ConfigError(
-                f"{url.scheme} store: database {database!r} must be letters, digits, _ and -"
-            )
-        netloc = url.raw.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
-        given = {k: v for k, v in url.query.items() if k in _PASSTHROUGH}
-        # pymongo unquotes values (unquote_plus), except authMechanismProperties' "K:V,K:V".
-        query = "&".join(f"{k}={quote_plus(v, safe=':,/')}" for k, v in given.items())
-        path = f"/{database}" if url.path.strip("/") else "/"
-        uri = f"{url.scheme}://{netloc}{path}" + (f"?{query}" if query else "")
-        ms = max(1, round(self.timeout * 1000))
-        extra: dict[str, Any] = {} if "w" in given else {"w": "majority"}
-        if "appName" not in given:
-            extra["appname"] = "latchkey"
-        try:
-            with warnings.catch_warnings():  # pymongo only warns about a bad option value
-                warnings.simplefilter("error", UserWarning)
-                self.client: MongoClient[Document] = MongoClient(
-                    uri,
-                    connect=False,
-                    tz_aware=True,
-                    serverSelectionTimeoutMS=ms,
-                    connectTimeoutMS=ms,
-                    socketTimeoutMS=ms,
-                    **extra,
-                )
-        except (ConfigurationError, ValueError, TypeError, UserWarning) as exc:
-            raise ConfigError(
-                f"{url.scheme} store at {url.redacted()}: {url.scrub(str(exc))}"
-            ) from None
+        uri, database, kwargs = client_settings(url, self.timeout)
+        with config_errors(url):
+            self.client: MongoClient[Document] = MongoClient(uri, **kwargs)
         db = self.client[database]
         name = self.config["collection"]
         self.locks: Collection[Document] = db[name]
@@ -256,14 +351,7 @@ class MongoDBBackend(Backend):
         with self.translate("init", (PyMongoError,)):
             self._ensure_index()
 
-    @staticmethod
-    def _let(owner: str, info: str = "", ttl: float = 0.0, limit: int = 1) -> Document:
-        return {
-            "owner": {"$literal": owner},
-            "info": {"$literal": info},
-            "ttl": max(1, round(ttl * 1000)),
-            "limit": limit,
-        }
+    _let = staticmethod(lock_let)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -282,14 +370,7 @@ class MongoDBBackend(Backend):
                 )
             except DuplicateKeyError:
                 return Busy(0)  # two first acquires raced to insert: the core retries at once
-        holders = (doc or {}).get("holders") or []
-        for data in holders:
-            if data.get("owner") == owner:
-                return Grant(int(data["token"]), _utc(data["expires"]))
-        if not holders:
-            return Busy(0)
-        soonest = min(holders, key=lambda h: h["expires"])
-        return Busy(len(holders), _holder(soonest))
+        return acquired(doc, owner)
 
     def release(self, name: str, owner: str) -> bool:
         with self.translate("release", (PyMongoError,)):
@@ -306,29 +387,19 @@ class MongoDBBackend(Backend):
                 return_document=ReturnDocument.AFTER,
                 let=self._let(owner, ttl=ttl),
             )
-        for data in (doc or {}).get("holders") or []:
-            if data.get("owner") == owner:
-                return Grant(int(data["token"]), _utc(data["expires"]))
-        return None
+        return extended(doc, owner)
 
     def inspect(self, name: str) -> LockInfo | None:
         with self.translate("inspect", (PyMongoError,)):
-            docs = list(
-                self.locks.aggregate([{"$match": {"_id": name}}, {"$project": {"holders": _LIVE}}])
-            )
+            docs = list(self.locks.aggregate(inspect_pipeline(name)))
         return _info(docs[0]) if docs else None
 
     def list(self, prefix: str = "") -> Iterator[LockInfo]:
-        pipeline: list[Document] = [{"$match": {"_id": {"$gte": prefix}}}] if prefix else []
-        pipeline += [
-            {"$sort": {"_id": 1}},
-            {"$project": {"holders": _LIVE}},
-            {"$match": {"holders.0": {"$exists": True}}},
-        ]
+        pipeline = list_pipeline(prefix)
         with self.translate("list", (PyMongoError,)), self.locks.aggregate(pipeline) as cursor:
             for doc in cursor:
-                if not isinstance(doc["_id"], str) or not doc["_id"].startswith(prefix):
-                    break  # _id order is UTF-8 byte order: past the prefix's range
+                if past_prefix(doc, prefix):
+                    break
                 info = _info(doc)
                 if info is not None:
                     yield info
@@ -348,27 +419,19 @@ class MongoDBBackend(Backend):
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
     ) -> dict[str, Grant]:
-        requests = [UpdateOne({"_id": n}, ACQUIRE, upsert=True) for n in names]
+        requests = claim_requests(names)
         with self.translate("claim", (PyMongoError,)):
             self._ensure_index()
             try:
                 self.locks.bulk_write(
                     requests, ordered=False, let=self._let(owner, owner_info, ttl, 1)
                 )
-            except BulkWriteError as exc:  # lost insert races are busy names; others fail
-                errors = exc.details.get("writeErrors", [])
-                if exc.details.get("writeConcernErrors") or any(
-                    e.get("code") != _DUPLICATE_KEY for e in errors
-                ):
+            except BulkWriteError as exc:
+                if not claim_lost_races_only(exc):
                     raise
-            found = self.locks.find(
-                {"_id": {"$in": list(names)}, "holders.owner": owner},
-                {"holders": {"$elemMatch": {"owner": owner}}},
-            )
-            grants: dict[str, Grant] = {}
-            for doc in found:
-                data = doc["holders"][0]
-                grants[doc["_id"]] = Grant(int(data["token"]), _utc(data["expires"]))
+            grants = {
+                doc["_id"]: claimed(doc) for doc in self.locks.find(*claimed_filter(names, owner))
+            }
         return grants
 
     def release_many(self, names: Sequence[str], owner: str) -> int:
@@ -383,7 +446,7 @@ class MongoDBBackend(Backend):
     def record_get(self, name: str) -> tuple[str | None, int]:
         with self.translate("record_get", (PyMongoError,)):
             doc = self.records.find_one({"_id": name})
-        return (None, 0) if doc is None else (str(doc["d"]), int(doc["v"]))
+        return record_reply(doc)
 
     def record_set(self, name: str, value: str, version: int) -> int | None:
         with self.translate("record_set", (PyMongoError,)):
