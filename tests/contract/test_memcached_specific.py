@@ -855,7 +855,7 @@ def test_async_error_line_in_place_of_a_reply_is_unavailable(base: str, prefix: 
             (first,) = _async_pool(b).idle
             with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
                 await b.acquire("job", A, huge, 30)
-            assert first.writer.is_closing() and first not in _async_pool(b).idle
+            assert first.is_closing() and first not in _async_pool(b).idle
             assert isinstance(await b.acquire("job", A, INFO, 30), Grant)
             assert await b.release("job", A) is True
         finally:
@@ -925,7 +925,7 @@ def test_async_request_cancelled_mid_reply_is_never_pooled(
                     await task
             finally:
                 os.kill(server.pid, signal.SIGCONT)
-            assert conn.writer.is_closing() and pool.idle == []
+            assert conn.is_closing() and pool.idle == []
             assert not b._held  # the grant never reached us: nothing remembered…
             info = await b.inspect("n")  # …but the server stored it (the add was sent)
             assert info is not None
@@ -1047,6 +1047,6 @@ def test_async_many_concurrent_calls_share_a_bounded_pool(base: str, prefix: str
             pooled = list(pool.idle)
         finally:
             await b.aclose()
-        assert pool.idle == [] and all(c.writer.is_closing() for c in pooled)
+        assert pool.idle == [] and all(c.is_closing() for c in pooled)
 
     asyncio.run(main())
