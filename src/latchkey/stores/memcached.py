@@ -27,7 +27,9 @@ seconds since 2020: a restarted server starts its CAS counter again at 1, but it
 higher by the seconds it ran, and no memcached stores 2³² items a second. A lease stores
 ``S`` (``"s"``); a rewritten lease (extend) gets a new CAS and so stores its token (``"t"``).
 
-Acquire is one round trip (``mg … q`` probe + ``ms … ME c`` add); release is one
+Acquire is one round trip (``mg … q`` probe + ``ms … ME c`` add; when the add finds the slot
+taken, the probe has read who holds it, and an owner that holds it already gets that lease
+back, as ``Backend.acquire`` requires, with no further request); release is one
 (``md key C<cas>``) with the CAS this backend remembers from its acquire or extend, guarded by
 the server's instance id so that a remembered CAS is never used on a restarted server (whose
 counter may hand the same value to someone else's lease). Without it, release reads first.
