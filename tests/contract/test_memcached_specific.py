@@ -855,7 +855,7 @@ def test_async_error_line_in_place_of_a_reply_is_unavailable(base: str, prefix: 
             (first,) = _async_pool(b).idle
             with pytest.raises(StoreUnavailable, match="SERVER_ERROR"):
                 await b.acquire("job", A, huge, 30)
-            assert first.writer.is_closing() and first not in _async_pool(b).idle
+            assert first.is_closing() and first not in _async_pool(b).idle
             assert isinstance(await b.acquire("job", A, INFO, 30), Grant)
             assert await b.release("job", A) is True
         finally:
@@ -925,7 +925,7 @@ def test_async_request_cancelled_mid_reply_is_never_pooled(
                     await task
             finally:
                 os.kill(server.pid, signal.SIGCONT)
-            assert conn.writer.is_closing() and pool.idle == []
+            assert conn.is_closing() and pool.idle == []
             assert not b._held  # the grant never reached us: nothing remembered…
             info = await b.inspect("n")  # …but the server stored it (the add was sent)
             assert info is not None
@@ -1047,6 +1047,63 @@ def test_async_many_concurrent_calls_share_a_bounded_pool(base: str, prefix: str
             pooled = list(pool.idle)
         finally:
             await b.aclose()
-        assert pool.idle == [] and all(c.writer.is_closing() for c in pooled)
+        assert pool.idle == [] and all(c.is_closing() for c in pooled)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("extra", [b"HD\r\n", b"HD c1\r\n", b"EN\r\n", b"NS\r\n", b"H"])
+def test_async_bytes_nobody_asked_for_are_never_taken_for_a_reply(
+    base: str, prefix: str, extra: bytes
+) -> None:
+    """Bytes the server sends unasked land in the connection's buffer (data_received): that
+    connection is never used again (its next reply would be misread), and the next call
+    gets its own answer on a fresh one: B is Busy, never granted by an "HD c1"."""
+
+    async def main() -> None:
+        b = _async_backend(f"{base}?prefix={prefix}")
+        try:
+            assert isinstance(await b.acquire("n", A, INFO, 30), Grant)
+            (conn,) = _async_pool(b).idle
+            conn.data_received(extra)  # as the loop does when the server speaks
+            busy = await b.acquire("n", B, INFO, 30)
+            assert isinstance(busy, Busy) and busy.holder is not None
+            assert conn.is_closing() and conn not in _async_pool(b).idle
+            assert await b.release("n", A) is True
+        finally:
+            await b.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_same_owner_gets_its_lease_back_with_one_round_trip_each(
+    base: str, prefix: str
+) -> None:
+    """The same-owner rule costs nothing on the uncontended path: one request per acquire,
+    and the second acquire of the owner is answered from the probe of that same request."""
+
+    async def main() -> None:
+        b = _async_backend(f"{base}?prefix={prefix}")
+        try:
+            await b.inspect("warm-up")
+            (conn,) = _async_pool(b).idle
+            sent: list[bytes] = []
+            send = conn.send
+
+            def counted(data: bytes) -> None:
+                sent.append(data)
+                send(data)
+
+            conn.send = counted  # type: ignore[method-assign]
+            first = await b.acquire("n", A, INFO, 30)
+            again = await b.acquire("n", A, INFO, 60)
+            assert isinstance(first, Grant) and isinstance(again, Grant)
+            assert again.token == first.token and again.expires_at == first.expires_at
+            assert again.remaining is not None and 0 < again.remaining <= 30
+            assert len(sent) == 2  # one request each
+            assert await b.release("n", A) is True
+            assert await b.inspect("n") is None
+        finally:
+            await b.aclose()
 
     asyncio.run(main())

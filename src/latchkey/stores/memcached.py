@@ -27,7 +27,9 @@ seconds since 2020: a restarted server starts its CAS counter again at 1, but it
 higher by the seconds it ran, and no memcached stores 2³² items a second. A lease stores
 ``S`` (``"s"``); a rewritten lease (extend) gets a new CAS and so stores its token (``"t"``).
 
-Acquire is one round trip (``mg … q`` probe + ``ms … ME c`` add); release is one
+Acquire is one round trip (``mg … q`` probe + ``ms … ME c`` add; when the add finds the slot
+taken, the probe has read who holds it, and an owner that holds it already gets that lease
+back, as ``Backend.acquire`` requires, with no further request); release is one
 (``md key C<cas>``) with the CAS this backend remembers from its acquire or extend, guarded by
 the server's instance id so that a remembered CAS is never used on a restarted server (whose
 counter may hand the same value to someone else's lease). Without it, release reads first.
@@ -404,6 +406,13 @@ class _Lease:
             self.token, Owner.from_json(self.data.get("i")), _dt(self.acquired), _dt(self.expires)
         )
 
+    def grant(self, server_now: float) -> Grant:
+        """This lease as the answer to its own owner's acquire, as it is: its token, its
+        expiry (not renewed), and the seconds it has left by the server's clock, capped by
+        memcached's own count (the item lives at least ``ttl_left - 1`` seconds more)."""
+        left = min(self.expires - server_now, self.ttl_left - 1.0)
+        return Grant(self.token, _dt(self.expires), max(0.0, left))
+
 
 # What a backend remembers of a lease it took or extended, to release or extend it in one
 # trip: (key, CAS, instance: the server process whose counter gave the CAS, token, owner info,
@@ -666,6 +675,22 @@ class _Layout(Generic[S]):
         with contextlib.suppress(StopIteration, KeyError, RuntimeError):
             del self._held[next(iter(self._held))]
 
+    def _taken(
+        self, live: Sequence[_Lease], name: str, owner: str, instance: bytes | None,
+        server_now: float,
+    ) -> Grant | Busy:  # fmt: skip
+        """The answer to an acquire that added no lease (``live``: the live leases it saw):
+        ``owner``'s own lease if it holds one — the rule of ``Backend.acquire``: that lease
+        back as it is, never a second slot — remembered for a one-trip release; else Busy."""
+        mine = next((s for s in live if s.owner == owner), None)
+        if mine is None:
+            return _busy(live)
+        if instance is not None:
+            info, acquired_ms = str(mine.data["i"]), int(mine.data["a"])
+            held = (mine.key, mine.cas, instance, mine.token, info, acquired_ms)
+            self._remember(name, owner, held)
+        return mine.grant(server_now)
+
     def _forget(self, name: str, owner: str, instance: bytes | None) -> _Held | None:
         """Take what we remember of (name, owner), if it is valid on the server process
         ``instance`` (the id read by the connection at hand)."""
@@ -757,7 +782,8 @@ class MemcachedBackend(_Layout[_Server], Backend):
         ttl: float, limit: int,
     ) -> Grant | Busy:  # fmt: skip
         """Add a lease in a free slot of ``name`` (one round trip; a semaphore reads its
-        slots first, a second), or Busy with the live leases found."""
+        slots first, a second); else ``owner``'s own lease if it holds one (the probe read
+        the slot's lease), or Busy with the live leases found."""
         started = _monotonic()
         if limit == 1:  # a mutex: try the add at once
             key, quoted_name = self._hot_names.get(name) or self._hot_name(name)
@@ -765,8 +791,8 @@ class MemcachedBackend(_Layout[_Server], Backend):
         else:
             live = []
             free = self._free_slots(conn, name, limit, live)
-            if not free:
-                return _busy(live)
+            if not free or any(s.owner == owner for s in live):
+                return self._taken(live, name, owner, conn.instance, server.now())
             key = random.choice(free)  # contenders spread over the free slots
             quoted_name = _json(name)
             started = _monotonic()
@@ -780,9 +806,10 @@ class MemcachedBackend(_Layout[_Server], Backend):
         if owner_info is not last:
             quoted_info = _json(owner_info)
             self._info = (owner_info, quoted_info)
+        expires = acquired + ttl_ms
         value = NEW_LEASE % (
             quoted_name, _quote(owner).encode("ascii"), quoted_info, conn.started, acquired,
-            acquired + ttl_ms,
+            expires,
         )  # fmt: skip
         chunk = conn.request(PROBE_ADD % (key, key, len(value), expiry, value))
         if (
@@ -797,7 +824,8 @@ class MemcachedBackend(_Layout[_Server], Backend):
             probe, added = conn.probe_add_replies()
             if not _stored(added):
                 winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
-                return _busy([*live, winner] if winner else live)
+                live = [*live, winner] if winner else live
+                return self._taken(live, name, owner, conn.instance, server.now())
             cas = _new_cas(added)
         token = (conn.started << 32) + cas
         if conn.instance is not None:
@@ -805,7 +833,7 @@ class MemcachedBackend(_Layout[_Server], Backend):
             if len(held) >= _HELD_MAX:
                 self._forget_oldest()
             held[name, owner] = (key, cas, conn.instance, token, owner_info, acquired)
-        return Grant(token, _fromtimestamp(now + ttl, _UTC))
+        return Grant(token, _fromtimestamp(expires / 1000, _UTC))  # the lease's, to the ms
 
     def _free_slots(
         self, conn: _Connection, name: str, limit: int, live: list[_Lease]

@@ -1,18 +1,24 @@
 """``memcached://`` for asyncio: the sync store's commands, keys, lease JSON, reply parsing and
 server choice (:mod:`latchkey.stores.memcached`, whose docstring explains the layout, the
-tokens and the clock), with the bytes moved over asyncio streams.
+tokens and the clock), with the bytes moved by an :class:`asyncio.Protocol` of our own.
+
+A connection is a Protocol with its own receive buffer: ``data_received`` appends, and the
+request in progress parses complete replies from the buffer, waiting on one future whenever
+it needs more bytes. That is the cheapest way through asyncio (streams add a reader, a
+``drain`` and a ``readuntil`` per reply: measured in ``bench/asyncfloor.py``), and, as in the
+sync store, bytes found in the buffer before a request are replies nobody asked for: the
+request fails and the connection is dropped instead of taking them for its own answer.
 
 Each server has a small pool of connections (at most :data:`POOL_MAX` out at once, so that a
 thousand polling waiters do not open a thousand sockets). Every primitive runs within
-``?timeout=`` (``asyncio.timeout``), waiting for a pooled connection and opening one included;
-a connection that errored, timed out or was cancelled mid-request is closed, never pooled
-again. memcached has no push: ``subscribe`` stays None and the core polls.
+``?timeout=`` (one ``asyncio.timeout``), waiting for a pooled connection and opening one
+included; a connection that errored, timed out or was cancelled mid-request is closed, never
+pooled again. memcached has no push: ``subscribe`` stays None and the core polls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import select
@@ -41,7 +47,6 @@ from latchkey.stores.memcached import (
     STATS,
     MemcachedBackend,
     ProtocolError,
-    _busy,
     _Clock,
     _dt,
     _handshake_request,
@@ -69,10 +74,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 POOL_MAX = 32  # connections to one server out at once; the idle ones stay open for reuse
-# What a dead or confused connection raises (a closed stream: IncompleteReadError, an EOFError;
-# a reply line longer than the stream's limit: LimitOverrunError) and a timeout (on Python
-# 3.10, asyncio's own TimeoutError is not the built-in one).
-_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, asyncio.TimeoutError)
+# What a dead or confused connection raises, and a timeout (on Python 3.10, asyncio's own
+# TimeoutError is not the built-in one).
+_ERRORS = (OSError, ProtocolError, asyncio.TimeoutError)
 
 
 async def _within(seconds: float, work: Awaitable[T]) -> T:
@@ -86,17 +90,66 @@ async def _within(seconds: float, work: Awaitable[T]) -> T:
         raise TimeoutError(f"memcached did not answer within {seconds}s") from None
 
 
-class _Connection:
-    """One stream to one server process (``started`` and ``instance``: see the sync
-    ``_Connection``). Not shared: pooled, one request at a time."""
+class _Connection(asyncio.Protocol):
+    """One connection to one server process (``started`` and ``instance``: see the sync
+    ``_Connection``), with its receive buffer. Not shared: pooled, one request at a time.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    The loop calls :meth:`data_received` (appends to the buffer and wakes the request
+    waiting for bytes, if any) and :meth:`connection_lost`; the request's coroutine reads
+    whole replies from the buffer, awaiting :meth:`_more` while one is incomplete."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.lost: BaseException | None = None  # why the connection ended, once it has
+        self.done: asyncio.Future[None] = loop.create_future()  # set when it has ended
+        self._waiter: asyncio.Future[None] | None = None  # the request waiting for bytes
         self.started = 0
         self.instance: bytes | None = None
         self.idle_since = -math.inf  # when it went back to the pool (monotonic)
         self._poll = select.poll()
-        self._poll.register(writer.get_extra_info("socket").fileno(), select.POLLIN)
+
+    # -- the loop's side -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._poll.register(transport.get_extra_info("socket").fileno(), select.POLLIN)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def eof_received(self) -> bool:
+        self._end(ConnectionResetError("memcached closed the connection"))
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc or ConnectionResetError("memcached connection closed"))
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def _end(self, exc: BaseException) -> None:
+        if self.lost is None:
+            self.lost = exc
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- the request's side ----------------------------------------------------------------
+
+    async def _more(self) -> None:
+        """Wait until more bytes are in the buffer, or the connection ended (an error)."""
+        if self.lost is not None:
+            raise ConnectionResetError(f"memcached connection lost: {self.lost}")
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.lost is not None and not self.buffer:
+            raise ConnectionResetError(f"memcached connection lost: {self.lost}")
 
     def stale(self, now: float) -> bool:
         """True if the server closed this idle connection (it never speaks unasked).
@@ -104,7 +157,7 @@ class _Connection:
         The loop notices an end of stream only when it next polls its sockets, which a
         server restarted while this coroutine ran (a test's restart, say) has not let it do:
         like the sync pool, a connection idle for more than ``_FRESH`` is polled itself."""
-        if self.reader.at_eof() or self.writer.is_closing():
+        if self.lost is not None or self.buffer or self.is_closing():
             return True
         if now - self.idle_since < _FRESH:
             return False
@@ -113,24 +166,51 @@ class _Connection:
         except (OSError, ValueError):
             return True
 
-    async def send(self, data: bytes) -> None:
-        """Write one batch of commands: each call starts one round trip."""
-        self.writer.write(data)
-        await self.writer.drain()
+    def send(self, data: bytes) -> None:
+        """Write one batch of commands: each call starts one round trip. Bytes already in
+        the buffer were never asked for: they would be taken for this request's replies."""
+        if self.buffer:
+            raise ProtocolError(f"{len(self.buffer)} unread bytes before a request")
+        if self.lost is not None or self.transport is None:
+            raise ConnectionResetError(f"memcached connection lost: {self.lost}")
+        self.transport.write(data)
+
+    async def request(self, commands: bytes) -> bytes:
+        """Send ``commands`` and return the first bytes that come back: usually the whole
+        reply, one short line (the caller compares it with the one reply it expects, and
+        hands anything else back to :meth:`unread`, to be parsed by :meth:`reply`)."""
+        self.send(commands)
+        await self._more()
+        chunk = bytes(self.buffer)
+        self.buffer.clear()
+        return chunk
+
+    def unread(self, chunk: bytes) -> None:
+        """Put back what :meth:`request` returned, to be parsed by :meth:`reply`."""
+        self.buffer[:0] = chunk
 
     async def _line(self) -> bytes:
-        return (await self.reader.readuntil(b"\r\n"))[:-2]
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            await self._more()
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 2]
+        return line
 
     async def reply(self) -> _Reply:
         """Read and parse the next reply (a value block of any length, in as many reads as
         it takes; an error line is a ProtocolError)."""
         code, flags, size = _reply_head(await self._line())
-        value = None if size is None else (await self.reader.readexactly(size + 2))[:size]
+        if size is None:
+            return _Reply(code, flags, None)
+        while len(self.buffer) < size + 2:
+            await self._more()
+        value = bytes(self.buffer[:size])
+        del self.buffer[: size + 2]
         return _Reply(code, flags, value)
 
     async def exchange(self, commands: Sequence[bytes]) -> list[_Reply]:
         """Send ``commands`` in one write and read one reply each: one round trip."""
-        await self.send(b"".join(commands))
+        self.send(b"".join(commands))
         return [await self.reply() for _ in commands]
 
     async def probe_add_replies(self) -> tuple[_Reply | None, _Reply]:
@@ -148,8 +228,13 @@ class _Connection:
             lines.append(line)
         return _server_times(lines)
 
+    def is_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
     def close(self) -> None:
-        self.writer.close()
+        """Drop the connection now (unsent bytes and unread replies with it)."""
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class _Server(_Clock):
@@ -164,7 +249,7 @@ class _Server(_Clock):
 
     async def checkout(self) -> _Connection:
         """An idle connection the server has not closed, or a new one (which reads the
-        server's clock). The caller gives it back with :meth:`checkin`, or closes it."""
+        server's clock). The caller gives it back with :meth:`checkin`, or :meth:`discard`."""
         await self.room.acquire()
         try:
             now = time.monotonic()
@@ -178,22 +263,29 @@ class _Server(_Clock):
             self.room.release()
             raise
 
-    def checkin(self, conn: _Connection | None) -> None:
-        """Give back a checked-out connection; None: it was closed (errored, cancelled)."""
+    def checkin(self, conn: _Connection) -> None:
+        """Give back a checked-out connection whose request went through."""
         self.room.release()
-        if conn is not None:
-            if self.closed:
-                conn.close()
-            else:
-                conn.idle_since = time.monotonic()
-                self.idle.append(conn)
+        if self.closed:
+            conn.close()
+        else:
+            conn.idle_since = time.monotonic()
+            self.idle.append(conn)
+
+    def discard(self, conn: _Connection) -> None:
+        """Close a checked-out connection whose request failed or was cancelled: its
+        stream may be mid-reply."""
+        conn.close()
+        self.room.release()
 
     async def _open(self) -> _Connection:
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        conn = _Connection(reader, writer)
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(
+            lambda: _Connection(loop), self.host, self.port
+        )
         try:
             before = time.monotonic()
-            await conn.send(_handshake_request(self.instance_key))
+            conn.send(_handshake_request(self.instance_key))
             now, started = await conn.stats()
             conn.started = max(0, started - EPOCH)
             conn.instance = _server_instance(await conn.reply(), await conn.reply())
@@ -210,7 +302,7 @@ class _Server(_Clock):
     async def read_clock(self, conn: _Connection) -> float:
         """Read the server's clock now on ``conn`` (one round trip) and return it."""
         before = time.monotonic()
-        await conn.send(STATS)
+        conn.send(STATS)
         self._set_clock((await conn.stats())[0], before)
         return self.now()
 
@@ -220,8 +312,7 @@ class _Server(_Clock):
         for conn in idle:
             conn.close()
         for conn in idle:
-            with contextlib.suppress(OSError):
-                await conn.writer.wait_closed()
+            await conn.done
 
 
 class AsyncMemcachedBackend(_Layout[_Server], AsyncBackend):
@@ -259,8 +350,7 @@ class AsyncMemcachedBackend(_Layout[_Server], AsyncBackend):
         try:
             result = await op(conn, *args, **kwargs)
         except BaseException:
-            conn.close()
-            server.checkin(None)
+            server.discard(conn)
             raise
         server.checkin(conn)
         return result
@@ -299,30 +389,38 @@ class AsyncMemcachedBackend(_Layout[_Server], AsyncBackend):
         ttl: float, limit: int,
     ) -> Grant | Busy:  # fmt: skip
         """Add a lease in a free slot of ``name`` (one round trip; a semaphore reads its
-        slots first, a second), or Busy with the live leases found."""
+        slots first, a second); else ``owner``'s own lease if it holds one (the probe read
+        the slot's lease), or Busy with the live leases found."""
         live: list[_Lease] = []
         if limit == 1:
-            key, quoted_name = self._hot_name(name)
+            key, quoted_name = self._hot_names.get(name) or self._hot_name(name)
         else:
             free = await self._free_slots(conn, name, limit, live)
-            if not free:
-                return _busy(live)
+            if not free or any(s.owner == owner for s in live):
+                return self._taken(live, name, owner, conn.instance, server.now())
             key, quoted_name = random.choice(free), _json(name)  # spread over the free slots
         now = server.now()
-        acquired = _ms(now)
+        acquired, expires = _ms(now), _ms(now + ttl)
         value = self._lease_value(
-            NEW_LEASE, quoted_name, owner, owner_info, conn.started, acquired, _ms(now + ttl)
+            NEW_LEASE, quoted_name, owner, owner_info, conn.started, acquired, expires
         )
-        await conn.send(PROBE_ADD % (key, key, len(value), _ttl_arg(ttl, now), value))
-        probe, added = await conn.probe_add_replies()
-        if not _stored(added):
-            winner = _lease(key, probe)  # None: the slot was taken just now
-            return _busy([*live, winner] if winner else live)
-        cas = _new_cas(added)
+        chunk = await conn.request(PROBE_ADD % (key, key, len(value), _ttl_arg(ttl, now), value))
+        if chunk[:4] == b"HD c" and chunk[-2:] == b"\r\n" and chunk[4:-2].isdigit():
+            cas = int(chunk[4:-2])  # stored, and the probe missed silently: the common reply
+        else:
+            conn.unread(chunk)
+            probe, added = await conn.probe_add_replies()
+            if not _stored(added):
+                winner = _lease(key, probe)  # None: the slot was taken just now
+                live = [*live, winner] if winner else live
+                return self._taken(live, name, owner, conn.instance, server.now())
+            cas = _new_cas(added)
+        if cas <= 0:
+            raise ProtocolError("memcached returned no CAS value (is it running with -C?)")
         token = _token(conn.started, cas)
         if conn.instance is not None:
             self._remember(name, owner, (key, cas, conn.instance, token, owner_info, acquired))
-        return Grant(token, _dt(now + ttl))
+        return Grant(token, _dt(expires / 1000))  # the lease's expiry, to the ms
 
     async def _free_slots(
         self, conn: _Connection, name: str, limit: int, live: list[_Lease]
@@ -344,8 +442,13 @@ class AsyncMemcachedBackend(_Layout[_Server], AsyncBackend):
     async def _delete(self, conn: _Connection, name: str, owner: str) -> bool:
         """Release by the CAS we remember in one round trip, else by reading first."""
         held = self._forget(name, owner, conn.instance)
-        if held is not None and _stored((await conn.exchange([DELETE_IF % (held[0], held[1])]))[0]):
-            return True
+        if held is not None:
+            chunk = await conn.request(DELETE_IF % (held[0], held[1]))
+            if chunk == b"HD\r\n":  # the item with our CAS was there, live: ours, now gone
+                return True
+            conn.unread(chunk)
+            if _stored(await conn.reply()):
+                return True
         mine = await self._mine(conn, name, owner)
         if mine is None:
             return False
