@@ -87,8 +87,10 @@ def test_cancelling_a_waiting_acquire_leaves_nothing_held(store_url: str, name: 
 
 def test_many_waiters_in_one_loop_hold_no_threads(store_url: str, name: str) -> None:
     """1,000 coroutines wait on one name; each takes it in turn. The threads in use stay a
-    handful whatever the number of waiters."""
-    count = 1000
+    handful whatever the number of waiters. (100 on MongoDB: the test server is an emulated
+    ARM64 build that answers ~200 requests a second, and 1,000 waiters polling it queue
+    behind each other for minutes; the waiting itself is the same code as on every store.)"""
+    count = 100 if store_url.startswith("mongodb") else 1000
 
     async def body(store: latchkey.AsyncStore) -> None:
         holder = store.lock(name, ttl="60s")

@@ -83,7 +83,13 @@ _SET_GC: Document = {
     "$set": {"gc": {"$max": [{"$toDate": "$fence"}, {"$max": "$holders.expires"}]}}
 }
 
-_GRANT: Document = {"$lt": [{"$size": "$holders"}, "$$limit"]}
+# A slot is free, and the caller holds none yet (its own live lease is answered as it is).
+_GRANT: Document = {
+    "$and": [
+        {"$lt": [{"$size": "$holders"}, "$$limit"]},
+        {"$not": [{"$in": ["$$owner", "$holders.owner"]}]},
+    ]
+}
 _NEXT_TOKEN: Document = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$toLong": "$$NOW"}]}
 
 # Acquire (find_one_and_update on {_id: name}, upsert, returns the document after): drop
@@ -119,6 +125,10 @@ ACQUIRE: Pipeline = [
     },
     _SET_GC,
 ]
+
+# What an acquire returns: the holders, and the server's clock of the same command (for the
+# time a lease found again has left).
+ACQUIRE_PROJECTION: Document = {"holders": 1, "now": "$$NOW"}
 
 # Release (update on {_id: name(s), $expr: _OURS_LIVE}): remove the caller's lease. Matches
 # nothing — and changes nothing — unless the caller's own lease is live.
@@ -255,7 +265,9 @@ def acquired(doc: Mapping[str, Any] | None, owner: str) -> Grant | Busy:
     holders = (doc or {}).get("holders") or []
     for data in holders:
         if data.get("owner") == owner:
-            return Grant(int(data["token"]), _utc(data["expires"]))
+            expires, now = _utc(data["expires"]), (doc or {}).get("now")
+            left = None if now is None else (expires - _utc(now)).total_seconds()
+            return Grant(int(data["token"]), expires, left)
     if not holders:
         return Busy(0)
     soonest = min(holders, key=lambda h: h["expires"])
@@ -365,6 +377,7 @@ class MongoDBBackend(Backend):
                     {"_id": name},
                     ACQUIRE,
                     upsert=True,
+                    projection=ACQUIRE_PROJECTION,
                     return_document=ReturnDocument.AFTER,
                     let=self._let(owner, owner_info, ttl, limit),
                 )

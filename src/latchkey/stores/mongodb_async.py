@@ -33,6 +33,7 @@ from latchkey.stores.mongodb import (
     _ANY_LIVE,
     _OURS_LIVE,
     ACQUIRE,
+    ACQUIRE_PROJECTION,
     EXTEND,
     FORCE_RELEASE,
     PURGE_FILTER,
@@ -119,6 +120,7 @@ class AsyncMongoDBBackend(AsyncBackend):
                 {"_id": name},
                 ACQUIRE,
                 upsert=True,
+                projection=ACQUIRE_PROJECTION,
                 return_document=ReturnDocument.AFTER,
                 let=lock_let(owner, owner_info, ttl, limit),
             )
