@@ -4,7 +4,7 @@ Environment:
 - ``LATCHKEY_TEST_STORES=sqlite,redis`` runs the store-parametrized tests on those rows only.
 - ``LATCHKEY_TEST_<SERVER>_URL`` uses an existing server instead of starting one.
 - ``CI=true``: a server that cannot be started fails the run instead of skipping, except for
-  rows marked ``required_in_ci=False`` (MongoDB: no server can be installed here).
+  rows marked ``required_in_ci=False`` (none today).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class StoreRow:
     server: str | None  # a SERVERS key, or None for embedded stores
     isolate: Callable[[str, str, Path], str]  # (base_url, tag, tmp_path) -> URL for one test
     base_url: Callable[[str], str] = lambda url: url  # server URL -> this row's base URL
-    required_in_ci: bool = True  # False only where no server can be had (MongoDB)
+    required_in_ci: bool = True  # False only where no server can be had
 
 
 SERVERS: dict[str, ServerKind] = {}
