@@ -26,8 +26,7 @@ class Claim(ClaimCore):
     def __init__(
         self, store: Store, names: Iterable[str], *, ttl: float, metadata: Mapping[str, Any]
     ) -> None:
-        super().__init__(names, ttl=ttl, metadata=metadata)
-        self.store = store
+        super().__init__(store, names, ttl=ttl, metadata=metadata)
         run(self._take(), store.backend)
 
     def release(self, name: str) -> bool:

@@ -23,9 +23,7 @@ class Record(RecordCore):
     .. versionadded:: 0.1
     """
 
-    def __init__(self, store: Store, name: str) -> None:
-        super().__init__(name)
-        self.store = store
+    store: Store
 
     def get(self) -> tuple[Any, int]:
         return run(self._get(), self.store.backend)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect as _inspect
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +17,6 @@ from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._lock import Lock, Semaphore
 from latchkey._names import validate_name
-from latchkey._owner import check_metadata
 from latchkey._record import Record
 from latchkey._run import run
 from latchkey._types import LockInfo
@@ -47,11 +46,16 @@ def connect(url: str | None = None) -> Store:
     return Store(open_backend(url if url is not None else default_url()))
 
 
-class Store(StoreCore):
+class Store(StoreCore[Lock, Semaphore, Claim, Record]):
     """Locks, semaphores, claims and records on one store. Create with :func:`connect`.
 
     .. versionadded:: 0.1
     """
+
+    _lock_class = Lock
+    _semaphore_class = Semaphore
+    _claim_class = Claim
+    _record_class = Record
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -71,59 +75,6 @@ class Store(StoreCore):
         return self.backend.url.redacted()
 
     # -- leases ------------------------------------------------------------------------------
-
-    def lock(
-        self,
-        name: str,
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        wait: Duration | None = None,
-        renew: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> Lock:
-        """A leased mutex on ``name``. ``wait=None`` blocks without limit, ``wait=0`` tries
-        once; ``renew=True`` keeps the lease alive from a background thread."""
-        return Lock(
-            self,
-            validate_name(name),
-            ttl=ttl,
-            wait=wait,
-            renew=renew,
-            metadata=check_metadata(metadata),
-        )
-
-    def semaphore(
-        self,
-        name: str,
-        limit: int,
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        wait: Duration | None = None,
-        renew: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> Semaphore:
-        """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
-        limit = self._semaphore_limit(limit)
-        return Semaphore(
-            self,
-            validate_name(name),
-            ttl=ttl,
-            wait=wait,
-            renew=renew,
-            metadata=check_metadata(metadata),
-            limit=limit,
-        )
-
-    def claim(
-        self,
-        names: Iterable[str],
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> Claim:
-        """Take every free name of ``names`` at once; skip the busy ones (seed 000)."""
-        ttl_s, meta = self._claim_args(names, ttl, metadata)
-        return Claim(self, names, ttl=ttl_s, metadata=meta)
 
     def is_free(self, name: str) -> bool:
         """True if nobody holds a live lease on ``name``."""
@@ -147,10 +98,6 @@ class Store(StoreCore):
         return self.backend.purge_expired()
 
     # -- records -----------------------------------------------------------------------------
-
-    def record(self, name: str) -> Record:
-        """A versioned JSON record for optimistic updates (seed 003)."""
-        return Record(self, self._record_name(name))
 
     def update(self, name: str, fn: Callable[[Any], Any], *, retries: int = 10) -> Any:
         """Read-modify-write ``name`` with ``fn`` until it applies without a conflict."""

@@ -24,8 +24,7 @@ class AsyncClaim(ClaimCore):
     def __init__(
         self, store: AsyncStore, names: Iterable[str], *, ttl: float, metadata: Mapping[str, Any]
     ) -> None:
-        super().__init__(names, ttl=ttl, metadata=metadata)
-        self.store = store
+        super().__init__(store, names, ttl=ttl, metadata=metadata)
         self._taken = False
 
     async def _ensure_taken(self) -> AsyncClaim:

@@ -19,9 +19,7 @@ class AsyncRecord(RecordCore):
     .. versionadded:: 0.2
     """
 
-    def __init__(self, store: AsyncStore, name: str) -> None:
-        super().__init__(name)
-        self.store = store
+    store: AsyncStore
 
     async def get(self) -> tuple[Any, int]:
         return await arun(self._get(), self.store.backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect as _inspect
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -17,7 +17,6 @@ from latchkey._async.record import AsyncRecord
 from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._names import validate_name
-from latchkey._owner import check_metadata
 from latchkey._types import LockInfo
 from latchkey.stores import AsyncBackend, Capabilities, open_async_backend
 
@@ -38,13 +37,18 @@ def connect_async(url: str | None = None) -> AsyncStore:
     return AsyncStore(open_async_backend(url if url is not None else default_url()))
 
 
-class AsyncStore(StoreCore):
+class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
     """Locks, semaphores, claims and records on one store, for asyncio. Create with
     :func:`connect_async`. Every method of :class:`latchkey.Store` has a twin here with the
     same parameters, defaults, errors and semantics; those that reach the store are awaited.
 
     .. versionadded:: 0.2
     """
+
+    _lock_class = AsyncLock
+    _semaphore_class = AsyncSemaphore
+    _claim_class = AsyncClaim
+    _record_class = AsyncRecord
 
     def __init__(self, backend: AsyncBackend) -> None:
         self.backend = backend
@@ -64,60 +68,6 @@ class AsyncStore(StoreCore):
         return self.backend.url.redacted()
 
     # -- leases ------------------------------------------------------------------------------
-
-    def lock(
-        self,
-        name: str,
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        wait: Duration | None = None,
-        renew: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncLock:
-        """A leased mutex on ``name`` (no I/O until it is acquired). ``wait=None`` waits
-        without limit, ``wait=0`` tries once; ``renew=True`` renews from a task."""
-        return AsyncLock(
-            self,
-            validate_name(name),
-            ttl=ttl,
-            wait=wait,
-            renew=renew,
-            metadata=check_metadata(metadata),
-        )
-
-    def semaphore(
-        self,
-        name: str,
-        limit: int,
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        wait: Duration | None = None,
-        renew: bool = False,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncSemaphore:
-        """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
-        limit = self._semaphore_limit(limit)
-        return AsyncSemaphore(
-            self,
-            validate_name(name),
-            ttl=ttl,
-            wait=wait,
-            renew=renew,
-            metadata=check_metadata(metadata),
-            limit=limit,
-        )
-
-    def claim(
-        self,
-        names: Iterable[str],
-        *,
-        ttl: Duration = DEFAULT_TTL,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncClaim:
-        """Take every free name of ``names`` at once; skip the busy ones (seed 000). Use
-        ``async with store.claim(...) as claim`` or ``claim = await store.claim(...)``."""
-        ttl_s, meta = self._claim_args(names, ttl, metadata)
-        return AsyncClaim(self, names, ttl=ttl_s, metadata=meta)
 
     async def is_free(self, name: str) -> bool:
         """True if nobody holds a live lease on ``name``."""
@@ -142,10 +92,6 @@ class AsyncStore(StoreCore):
         return await self.backend.purge_expired()
 
     # -- records -----------------------------------------------------------------------------
-
-    def record(self, name: str) -> AsyncRecord:
-        """A versioned JSON record for optimistic updates (seed 003)."""
-        return AsyncRecord(self, self._record_name(name))
 
     async def update(self, name: str, fn: Callable[[Any], Any], *, retries: int = 10) -> Any:
         """Read-modify-write ``name`` with ``fn`` (sync or async) until it applies without a

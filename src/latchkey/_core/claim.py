@@ -25,7 +25,11 @@ log = logging.getLogger("latchkey")
 class ClaimCore:
     """The state of one batch claim. Not public: see :class:`latchkey.Claim`."""
 
-    def __init__(self, names: Iterable[str], *, ttl: float, metadata: Mapping[str, Any]) -> None:
+    def __init__(
+        self, store: Any, names: Iterable[str], *, ttl: float, metadata: Mapping[str, Any]
+    ) -> None:
+        #: The Store (or AsyncStore) that made this claim.
+        self.store = store
         self.ttl = ttl
         ordered: list[str] = []
         seen: set[str] = set()

@@ -30,7 +30,9 @@ class RecordCore:
     """A JSON value with a version that increases by one on every write. Not public: see
     :class:`latchkey.Record`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, store: Any, name: str) -> None:
+        #: The Store (or AsyncStore) that made this record.
+        self.store = store
         self.name = name
 
     def _get(self) -> Steps[tuple[Any, int]]:

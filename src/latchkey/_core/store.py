@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from latchkey._core.ops import Steps, call, user
 from latchkey._durations import Duration, parse_duration, parse_ttl
@@ -21,7 +21,9 @@ from latchkey.errors import ConfigError, LockLost, Unsupported
 from latchkey.stores.base import Capabilities
 
 if TYPE_CHECKING:
+    from latchkey._core.claim import ClaimCore
     from latchkey._core.lease import LeaseCore
+    from latchkey._core.record import RecordCore
 
 log = logging.getLogger("latchkey")
 
@@ -57,12 +59,25 @@ class SingletonRule:
     metadata: dict[str, Any]
 
 
-class StoreCore:
-    """The store-wide rules; the shells add the blocking or awaiting methods."""
+LockT = TypeVar("LockT", bound="LeaseCore")
+SemaphoreT = TypeVar("SemaphoreT", bound="LeaseCore")
+ClaimT = TypeVar("ClaimT", bound="ClaimCore")
+RecordT = TypeVar("RecordT", bound="RecordCore")
+
+
+class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
+    """The store-wide rules; the shells add the blocking or awaiting methods and name the
+    classes their factories make (``Lock`` or ``AsyncLock``, …)."""
 
     capabilities: Capabilities
     scheme: str
     url: str
+    _lock_class: type[LockT]
+    _semaphore_class: type[SemaphoreT]
+    _claim_class: type[ClaimT]
+    _record_class: type[RecordT]
+
+    # -- the objects a store makes (no I/O, except a sync claim, which takes at once) --------
 
     def lock(
         self,
@@ -72,9 +87,56 @@ class StoreCore:
         wait: Duration | None = None,
         renew: bool = False,
         metadata: Mapping[str, Any] | None = None,
-    ) -> LeaseCore:
-        """The shells return their own Lock."""
-        raise NotImplementedError
+    ) -> LockT:
+        """A leased mutex on ``name``. ``wait=None`` waits without limit, ``wait=0`` tries
+        once; ``renew=True`` keeps the lease alive in the background (a thread, or a task of
+        the running loop)."""
+        return self._lock_class(
+            self,
+            validate_name(name),
+            ttl=ttl,
+            wait=wait,
+            renew=renew,
+            metadata=check_metadata(metadata),
+        )
+
+    def semaphore(
+        self,
+        name: str,
+        limit: int,
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration | None = None,
+        renew: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SemaphoreT:
+        """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
+        limit = self._semaphore_limit(limit)
+        return self._semaphore_class(
+            self,
+            validate_name(name),
+            ttl=ttl,
+            wait=wait,
+            renew=renew,
+            metadata=check_metadata(metadata),
+            limit=limit,
+        )
+
+    def claim(
+        self,
+        names: Iterable[str],
+        *,
+        ttl: Duration = DEFAULT_TTL,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ClaimT:
+        """Take every free name of ``names`` at once; skip the busy ones (seed 000). The sync
+        store takes them here; the asyncio one on ``await`` or ``async with``."""
+        ttl_s, meta = self._claim_args(names, ttl, metadata)
+        return self._claim_class(self, names, ttl=ttl_s, metadata=meta)
+
+    def record(self, name: str) -> RecordT:
+        """A versioned JSON record for optimistic updates (seed 003)."""
+        return self._record_class(self, self._record_name(name))
 
     # -- validation --------------------------------------------------------------------------
 

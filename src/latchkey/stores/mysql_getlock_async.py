@@ -43,18 +43,13 @@ from latchkey.stores.mysql_getlock import (
     CLAIM,
     CLAIM_CALL,
     HELD,
-    HOLDER_OF,
-    HOLDS,
     INSPECT,
     KILL,
     MAX_IDLE,
     NOW,
     RELEASE_CALL,
-    RELEASE_LOCK,
     RELEASE_MANY,
-    TRY_LOCK,
     UNKNOWN_THREAD,
-    WAIT_LOCK,
     GetLockBackend,
     _other_holder,
     lock_key,
@@ -65,6 +60,20 @@ T = TypeVar("T")
 
 #: Waits in the server at once per backend (one extra session each).
 MAX_SERVER_WAITS = 16
+
+# The sync store's statements answer by their row count (SELECT … INTO a variable, WHERE the
+# lock call = 1), which is the cheapest answer for PyMySQL. asyncmy reads a short row cheaply,
+# but answers every statement that left a warning — and a SELECT … INTO that matched nothing
+# leaves "No data" (1329) — with a SHOW WARNINGS round trip of its own, and logs each warning.
+# So here each lock call returns its answer as a row (no warning), and a try returns the
+# holder's connection id in the same round trip. In: key[, seconds], key.
+TRY_LOCK_ROW = "SELECT GET_LOCK(%s, 0), IS_USED_LOCK(%s)"
+# Waits in the server (as WAIT_LOCK). Out: 1 taken, 0 timed out, NULL failed; the holder.
+WAIT_LOCK_ROW = "SELECT GET_LOCK(%s, %s), IS_USED_LOCK(%s)"
+# Out: 1 released, 0 held by another session, NULL no such lock. In: key.
+RELEASE_LOCK_ROW = "SELECT RELEASE_LOCK(%s)"
+# Out: 1 if this very session holds the key. In: key.
+HOLDS_ROW = "SELECT IS_USED_LOCK(%s) = CONNECTION_ID()"
 
 
 class _Session:
@@ -249,10 +258,10 @@ class AsyncGetLockBackend(AsyncBackend):
                     return HELD
                 if entry is not None:  # ours already, for another owner (no re-entry)
                     return Busy(1, Holder(None, Owner.from_json(entry[1]), None, None))
-                if await self._exec(main, TRY_LOCK, (key,)) == 1:
+                got, holder_id = (await self._rows(main, TRY_LOCK_ROW, (key, key)))[0]
+                if got == 1:
                     self._held[key] = (owner, owner_info, main)
                     return HELD
-                got, holder_id = (await self._rows(main, HOLDER_OF, (key,)))[0]
             except ASYNC_DRIVER_ERRORS as exc:
                 self._failed(exc, action)
             if got is None:
@@ -295,10 +304,11 @@ class AsyncGetLockBackend(AsyncBackend):
         seconds = wait_seconds(timeout, session.fractions)
         try:
             # The reply comes when the wait ends: allow it, plus the store's timeout.
-            taken = await bounded(
-                session.cur.execute(WAIT_LOCK, (key, seconds)), self.timeout + seconds
+            await bounded(
+                session.cur.execute(WAIT_LOCK_ROW, (key, seconds, key)), self.timeout + seconds
             )
-            if taken == 1:
+            got, holder_id = (await session.cur.fetchall())[0]
+            if got == 1:
                 # Under the mutex, as in the sync backend: a release whose RELEASE_LOCK handed
                 # the key to this wait finishes its bookkeeping first.
                 async with self._mutex:
@@ -310,8 +320,6 @@ class AsyncGetLockBackend(AsyncBackend):
                         self._lose(stale[2])
                     self._held[key] = (owner, owner_info, session)
                 return HELD
-            await bounded(session.cur.execute(HOLDER_OF, (key,)), self.timeout)
-            got, holder_id = (await session.cur.fetchall())[0]
         except ASYNC_DRIVER_ERRORS as exc:
             self._discard(session)
             self.unavailable(exc, action)
@@ -338,7 +346,7 @@ class AsyncGetLockBackend(AsyncBackend):
                 return False
             session = entry[2]
             try:
-                released = await self._exec(session, RELEASE_LOCK, (key,))
+                released = (await self._rows(session, RELEASE_LOCK_ROW, (key,)))[0][0]
             except ASYNC_DRIVER_ERRORS:
                 self._lose(session)  # the session is gone, and its locks with it
                 return False
@@ -348,7 +356,7 @@ class AsyncGetLockBackend(AsyncBackend):
                 del self._held[key]
             if session is not self._main:
                 self._rest(session)
-            return released == 1
+            return bool(released == 1)
 
         return await self._guarded(op)
 
@@ -364,7 +372,7 @@ class AsyncGetLockBackend(AsyncBackend):
                 return None
             session = entry[2]
             try:
-                holds = await self._exec(session, HOLDS, (key,))
+                holds = (await self._rows(session, HOLDS_ROW, (key,)))[0][0]
             except ASYNC_DRIVER_ERRORS:
                 self._lose(session)
                 await self._reachable(action)
@@ -418,7 +426,7 @@ class AsyncGetLockBackend(AsyncBackend):
             if entry is not None:  # ours: released on the session holding it
                 session = entry[2]
                 try:
-                    released = await self._exec(session, RELEASE_LOCK, (key,))
+                    released = (await self._rows(session, RELEASE_LOCK_ROW, (key,)))[0][0]
                 except ASYNC_DRIVER_ERRORS:
                     self._lose(session)  # its locks ended with it
                     await self._reachable(action)
@@ -426,7 +434,7 @@ class AsyncGetLockBackend(AsyncBackend):
                 del self._held[key]
                 if session is not self._main:
                     self._rest(session)
-                return released == 1
+                return bool(released == 1)
             try:
                 holder_id, _ = (await self._rows(main, INSPECT, (key, key)))[0]
                 if holder_id is None or int(holder_id) == main.id:
