@@ -436,7 +436,9 @@ def test_async_waiters_hold_no_thread_and_are_all_served(
             threads = threading.active_count()
             tasks = [asyncio.create_task(worker(i)) for i in range(10)]
             await asyncio.sleep(0.3)
-            assert threading.active_count() <= threads
+            # A waiter holding a thread would add one each (10); the loop's own executor may
+            # start one for a name lookup when the driver opens a connection.
+            assert threading.active_count() - threads < 5
             assert served == []
             backend.release("job", A)
             await asyncio.wait_for(asyncio.gather(*tasks), 120)

@@ -550,8 +550,8 @@ def test_threads_share_the_connections(backend: RedisBackend) -> None:
         t.join(timeout=30)
     assert not errors, errors[0]
     assert 1 <= len(backend._connections.idle) <= 8
-    socks = [conn._sock for conn, _, _ in backend._connections.idle]
-    assert len({id(s) for s in socks}) == len(socks)  # each connection once
+    idle = [conn for conn, _ in backend._connections.idle]
+    assert len({id(conn) for conn in idle}) == len(idle)  # each connection once
 
 
 def test_db_number_comes_from_the_path(own_server: RunningServer) -> None:

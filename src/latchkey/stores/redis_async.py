@@ -248,6 +248,10 @@ class AsyncRedisBackend(KeyLayout, AsyncBackend):
         await self.client.aclose()
 
 
+#: Commands in flight at once per store (each on a connection of its own).
+MAX_CONNECTIONS = 32
+
+
 class _Connections:
     """The connections scripts go over: redis-py connections made from the client pool's
     settings (host, db, AUTH, TLS, RESP2), used without the client.
@@ -268,12 +272,19 @@ class _Connections:
             pool.connection_class, **pool.connection_kwargs
         )
         self.idle: list[Any] = []
+        # At most this many commands in flight, so a thousand coroutines retrying at once
+        # share a few connections instead of opening a thousand; the rest wait their turn.
+        self._turns = asyncio.Semaphore(MAX_CONNECTIONS)
 
     def script(self, text: str) -> _Script:
         return _Script(self, text)
 
     async def call(self, packed: bytes) -> Any:
         """Send one packed command, read its reply."""
+        async with self._turns:
+            return await self._call(packed)
+
+    async def _call(self, packed: bytes) -> Any:
         conn = self.idle.pop() if self.idle else self._new()
         try:
             if conn.is_connected and await _stale(conn):
