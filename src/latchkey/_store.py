@@ -20,7 +20,7 @@ from latchkey._names import validate_name
 from latchkey._record import Record
 from latchkey._run import run
 from latchkey._types import LockInfo
-from latchkey.stores import Backend, Capabilities, open_backend
+from latchkey.stores import Backend, open_backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,22 +57,10 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
     _claim_class = Claim
     _record_class = Record
 
+    backend: Backend
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """What this store guarantees (see the docs' store pages)."""
-        return self.backend.capabilities
-
-    @property
-    def scheme(self) -> str:  # type: ignore[override]
-        return self.backend.url.scheme
-
-    @property
-    def url(self) -> str:  # type: ignore[override]
-        """The store URL with its password masked."""
-        return self.backend.url.redacted()
 
     # -- leases ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._names import validate_name
 from latchkey._types import LockInfo
-from latchkey.stores import AsyncBackend, Capabilities, open_async_backend
+from latchkey.stores import AsyncBackend, open_async_backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,22 +50,10 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
     _claim_class = AsyncClaim
     _record_class = AsyncRecord
 
+    backend: AsyncBackend
+
     def __init__(self, backend: AsyncBackend) -> None:
         self.backend = backend
-
-    @property
-    def capabilities(self) -> Capabilities:  # type: ignore[override]
-        """What this store guarantees (see the docs' store pages)."""
-        return self.backend.capabilities
-
-    @property
-    def scheme(self) -> str:  # type: ignore[override]
-        return self.backend.url.scheme
-
-    @property
-    def url(self) -> str:  # type: ignore[override]
-        """The store URL with its password masked."""
-        return self.backend.url.redacted()
 
     # -- leases ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._names import validate_name
 from latchkey._owner import check_metadata
 from latchkey.errors import ConfigError, LockLost, Unsupported
-from latchkey.stores.base import Capabilities
+from latchkey.stores.base import BackendBase, Capabilities
 
 if TYPE_CHECKING:
     from latchkey._core.claim import ClaimCore
@@ -69,13 +69,26 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
     """The store-wide rules; the shells add the blocking or awaiting methods and name the
     classes their factories make (``Lock`` or ``AsyncLock``, …)."""
 
-    capabilities: Capabilities
-    scheme: str
-    url: str
+    backend: BackendBase  # the shell's Backend or AsyncBackend
     _lock_class: type[LockT]
     _semaphore_class: type[SemaphoreT]
     _claim_class: type[ClaimT]
     _record_class: type[RecordT]
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this store guarantees (see the docs' store pages)."""
+        return self.backend.capabilities
+
+    @property
+    def scheme(self) -> str:
+        """The URL scheme, e.g. ``postgresql``."""
+        return self.backend.url.scheme
+
+    @property
+    def url(self) -> str:
+        """The store URL with its password masked."""
+        return self.backend.url.redacted()
 
     # -- the objects a store makes (no I/O, except a sync claim, which takes at once) --------
 
