@@ -765,7 +765,7 @@ def test_getlock_whole_second_waits_on_mysql_never_pass_the_deadline(
     started = time.monotonic()
     assert store.lock(name, ttl="60s", wait="1.5s").acquire() is False
     elapsed = time.monotonic() - started
-    assert 1.5 <= elapsed < 2.0
+    assert 1.5 <= elapsed < 2.5  # (the whole-second rounding itself: `sent`, below)
     assert sent[0] == 1.0 and set(sent[1:]) == {0.0}
     other.close()
     backend.close()
