@@ -56,9 +56,11 @@ def test_a_waiting_handler_does_not_freeze_the_loop(store_url: str, name: str) -
         await asyncio.wait_for(waiting, 20)
         done.set()
         await background
-        assert ticks_while_waiting >= 10  # about 50 in 0.5 s when the loop is free
+        # About 50 ticks in 0.5 s when the loop is free; a blocked loop gives none until the
+        # holder's release, which itself needs the loop (a stall of the whole wait, 20 s).
+        assert ticks_while_waiting >= 5
         gaps = [b - a for a, b in itertools.pairwise(ticks)]
-        assert max(gaps) < 0.4, f"the loop stalled for {max(gaps):.2f}s"
+        assert max(gaps) < 2.0, f"the loop stalled for {max(gaps):.2f}s"
 
     _run(store_url, body)
 
@@ -122,12 +124,12 @@ def test_renewal_is_a_task_and_keeps_the_lease(store_url: str, name: str) -> Non
     async def body(store: latchkey.AsyncStore) -> None:
         if not store.capabilities.ttl:
             pytest.skip(f"{store.scheme} store declares no ttl (capabilities)")
-        lock = store.lock(name, ttl="1s", renew=True)
+        lock = store.lock(name, ttl="2s", renew=True)
         assert await lock.acquire()
         assert not [t for t in threading.enumerate() if t.name.startswith("latchkey-renew")]
         assert [t for t in asyncio.all_tasks() if t.get_name().startswith("latchkey-renew")]
         token = lock.token
-        await asyncio.sleep(2.5)  # two and a half lease lengths: only renewal keeps it
+        await asyncio.sleep(5)  # two and a half lease lengths: only renewal keeps it
         assert not lock.lost and lock.token == token
         info = await store.inspect(name)
         assert info is not None and info.token == token
