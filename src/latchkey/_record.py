@@ -5,14 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from latchkey._core.record import RecordCore, encode
+from latchkey._core.record import RecordCore
 from latchkey._run import run
 
 if TYPE_CHECKING:
     from latchkey._store import Store
-
-__all__ = ["Record", "encode"]
-
 
 class Record(RecordCore):
     """A JSON value with a version that increases by one on every write.

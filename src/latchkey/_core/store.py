@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from latchkey._core.lease import describe_holder
 from latchkey._core.ops import Steps, call, user
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._names import validate_name
@@ -201,8 +202,6 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
         lock = self.lock(rule.name, ttl=rule.at_most, wait=0, metadata=rule.metadata)
         started = time.monotonic()
         if not (yield from lock._acquire()):
-            from latchkey._core.lease import describe_holder
-
             log.info("skipped %s: %r is %s", _qualname(fn), rule.name, describe_holder(lock.holder))
             return None
         try:

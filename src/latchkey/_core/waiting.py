@@ -9,7 +9,6 @@ tests drive this with a fake clock (``tests/unit/test_waiting.py``).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -163,7 +162,3 @@ def _block_until(
         if now - started < MIN_BLOCK and (deadline is None or now < deadline):
             delay = backoff.next()
             yield sleep(delay if deadline is None else min(delay, deadline - now))
-
-
-def monotonic() -> float:
-    return time.monotonic()
