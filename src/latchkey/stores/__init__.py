@@ -29,20 +29,22 @@ __all__ = [
 ]
 
 
-
-def _store(module: str, sync: str, asyncio: str | None, extra: str | None) -> tuple[
-    str, str | None, str | None
-]:
+def _store(
+    module: str, sync: str, asyncio: str | None, extra: str | None
+) -> tuple[str, str | None, str | None]:
     """A registry row: the sync class in ``latchkey.stores.<module>``, the asyncio class in
-    ``latchkey.stores.<module>_async``, the extra that installs the driver."""
+    the same module (``asyncio`` given as ``":Class"``, a store written once on the shared
+    I/O layer) or in ``latchkey.stores.<module>_async``, the extra that installs the driver."""
     base = f"latchkey.stores.{module}"
+    if asyncio and asyncio.startswith(":"):
+        return f"{base}:{sync}", f"{base}{asyncio}", extra
     return f"{base}:{sync}", (f"{base}_async:{asyncio}" if asyncio else None), extra
 
 
 # scheme: (sync module:class, asyncio module:class or None, the extra that installs its driver)
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "memory": _store("memory", "MemoryBackend", "AsyncMemoryBackend", None),
-    "sqlite": _store("sqlite", "SQLiteBackend", "AsyncSQLiteBackend", None),
+    "sqlite": _store("sqlite", "SQLiteBackend", ":AsyncSQLiteBackend", None),
     "postgresql": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
     "postgres": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
     "postgresql+advisory": _store(

@@ -425,8 +425,6 @@ def _json(text: str) -> bytes:
     return _quote(text).encode("ascii")
 
 
-
-
 def _dt(seconds: float) -> datetime:
     return _fromtimestamp(seconds, _UTC)
 
@@ -660,7 +658,12 @@ class _Layout(Generic[S]):
             quoted = _json(info)
             self._info = (info, quoted)
         return template % (
-            quoted_name, _quote(owner).encode("ascii"), quoted, number, acquired_ms, expires_ms
+            quoted_name,
+            _quote(owner).encode("ascii"),
+            quoted,
+            number,
+            acquired_ms,
+            expires_ms,
         )
 
     # -- the remembered CAS of our own leases (process-local, bounded) -------------------------
@@ -843,8 +846,7 @@ class MemcachedBackend(_Layout[_Server], Backend):
         count = str(limit).encode("ascii")
         keys = [self._key("lock", name, i) for i in range(limit)]
         replies = conn.exchange(
-            [SET_FOREVER % (self._key("limit", name), len(count), count)]
-            + [READ % k for k in keys]
+            [SET_FOREVER % (self._key("limit", name), len(count), count)] + [READ % k for k in keys]
         )
         slots = [_lease(k, r) for k, r in zip(keys, replies[1:], strict=True)]
         live.extend(s for s in slots if s is not None)
@@ -855,9 +857,7 @@ class MemcachedBackend(_Layout[_Server], Backend):
         held = self._held.pop((name, owner), None)
         return self._on(server, "release", self._delete, name, owner, held)
 
-    def _delete(
-        self, conn: _Connection, name: str, owner: str, held: _Held | None
-    ) -> bool:
+    def _delete(self, conn: _Connection, name: str, owner: str, held: _Held | None) -> bool:
         """Release by the CAS we remember (``held``) in one round trip, else by reading."""
         # The CAS we remember is valid only on the server process that gave it.
         if held is not None and held[2] == conn.instance:

@@ -280,9 +280,7 @@ class _Server(_Clock):
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(
-            lambda: _Connection(loop), self.host, self.port
-        )
+        _, conn = await loop.create_connection(lambda: _Connection(loop), self.host, self.port)
         try:
             before = time.monotonic()
             conn.send(_handshake_request(self.instance_key))

@@ -392,8 +392,11 @@ class MySQLBackend(Backend):
             rows = self._contended("acquire", "acquire_args", args)
         else:
             params = {
-                "name": name.encode(), "owner": owner, "info": owner_info,
-                "ttl_us": _us(ttl), "limit": limit,
+                "name": name.encode(),
+                "owner": owner,
+                "info": owner_info,
+                "ttl_us": _us(ttl),
+                "limit": limit,
             }
             rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
         if rows is None:
@@ -423,8 +426,11 @@ class MySQLBackend(Backend):
             return {}
         keys = sorted(name.encode() for name in names)
         rows = self._contended(
-            "claim", "claim", (owner, owner_info, _us(ttl), *keys, owner, *keys),
-            rows=", ".join([CLAIM_ROW] * len(keys)), names=", ".join(["%s"] * len(keys)),
+            "claim",
+            "claim",
+            (owner, owner_info, _us(ttl), *keys, owner, *keys),
+            rows=", ".join([CLAIM_ROW] * len(keys)),
+            names=", ".join(["%s"] * len(keys)),
         )
         if rows is None:
             return {}  # lost a deadlock to another claim: every name was contended just now
@@ -550,4 +556,3 @@ def _like_prefix(prefix: bytes) -> bytes:
     for special in (b"!", b"%", b"_"):
         prefix = prefix.replace(special, b"!" + special)
     return prefix + b"%"
-

@@ -142,9 +142,7 @@ def said_yes(result: psycopg.pq.abc.PGresult) -> bool:
 @functools.lru_cache(maxsize=4096)  # names repeat; hashing is a fifth of the Python time
 def advisory_key(name: str, prefix: str = "") -> int:
     """The 64-bit advisory-lock key of ``name``: BLAKE2b-64 of ``prefix NUL name``, signed."""
-    digest = hashlib.blake2b(
-        prefix.encode() + b"\x00" + name.encode(), digest_size=8
-    ).digest()
+    digest = hashlib.blake2b(prefix.encode() + b"\x00" + name.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
@@ -234,8 +232,10 @@ class AdvisoryBackend(Backend):
         self._held[key] = hold
         if hold.session is not self._session:
             self._spares[hold.session] = key
-        if old is not None and old.session is not hold.session and (
-            self._spares.get(old.session) == key
+        if (
+            old is not None
+            and old.session is not hold.session
+            and (self._spares.get(old.session) == key)
         ):
             self._spares[old.session] = None
             return old.session

@@ -113,8 +113,10 @@ class AsyncAdvisoryBackend(AsyncBackend):
         self._held[key] = hold
         if hold.session is not self._session:
             self._spares[hold.session] = key
-        if old is not None and old.session is not hold.session and (
-            self._spares.get(old.session) == key
+        if (
+            old is not None
+            and old.session is not hold.session
+            and (self._spares.get(old.session) == key)
         ):
             self._spares[old.session] = None
             return old.session

@@ -343,12 +343,24 @@ SELECT EXISTS (SELECT 1 FROM gone)
 NOW = "SELECT now()"
 
 STATEMENTS: Mapping[str, str] = {
-    "acquire_mutex": ACQUIRE_MUTEX, "holder": HOLDER, "acquire_slot": ACQUIRE_SLOT,
-    "release": RELEASE, "extend": EXTEND, "inspect": INSPECT,
-    "list": LIST, "force_release": FORCE_RELEASE, "purge": PURGE, "claim": CLAIM,
-    "release_many": RELEASE_MANY, "record_get": RECORD_GET, "record_insert": RECORD_INSERT,
-    "enqueue": ENQUEUE, "dequeue": DEQUEUE,
-    "record_update": RECORD_UPDATE, "record_delete": RECORD_DELETE, "now": NOW,
+    "acquire_mutex": ACQUIRE_MUTEX,
+    "holder": HOLDER,
+    "acquire_slot": ACQUIRE_SLOT,
+    "release": RELEASE,
+    "extend": EXTEND,
+    "inspect": INSPECT,
+    "list": LIST,
+    "force_release": FORCE_RELEASE,
+    "purge": PURGE,
+    "claim": CLAIM,
+    "release_many": RELEASE_MANY,
+    "record_get": RECORD_GET,
+    "record_insert": RECORD_INSERT,
+    "enqueue": ENQUEUE,
+    "dequeue": DEQUEUE,
+    "record_update": RECORD_UPDATE,
+    "record_delete": RECORD_DELETE,
+    "now": NOW,
 }
 
 # The statements run through Session.run_prepared (the uncontended acquire+release), with
@@ -410,7 +422,8 @@ def _text(value: str) -> str:
 
 CONNECTION_OPTIONS: Mapping[str, Option] = {
     "sslmode": Option(
-        choice("disable", "allow", "prefer", "require", "verify-ca", "verify-full"), None,
+        choice("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+        None,
         "libpq sslmode",
     ),
     "sslrootcert": Option(_text, None, "CA certificate file (libpq sslrootcert)"),
@@ -833,15 +846,19 @@ def render(context: Any, table: str, schema: str | None, template: str) -> bytes
         return sql.Identifier(schema, name) if schema else sql.Identifier(name)
 
     fence = ident(f"{table}_fence")
-    return sql.SQL(template).format(
-        locks=ident(table),
-        fence=fence,
-        fence_regclass=sql.Literal(fence.as_string(context)),
-        records=ident(f"{table}_records"),
-        waiters=ident(f"{table}_waiters"),
-        meta=ident(f"{table}_meta"),
-        expires_idx=sql.Identifier(f"{table}_expires"),
-    ).as_bytes(context)
+    return (
+        sql.SQL(template)
+        .format(
+            locks=ident(table),
+            fence=fence,
+            fence_regclass=sql.Literal(fence.as_string(context)),
+            records=ident(f"{table}_records"),
+            waiters=ident(f"{table}_waiters"),
+            meta=ident(f"{table}_meta"),
+            expires_idx=sql.Identifier(f"{table}_expires"),
+        )
+        .as_bytes(context)
+    )
 
 
 def render_all(
@@ -932,8 +949,9 @@ class PostgreSQLBackend(Backend):
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (DDL_LOCK_KEY,))
             if self.schema:
-                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                    sql.Identifier(self.schema)))
+                conn.execute(
+                    sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
+                )
             for statement in CREATE_STATEMENTS:
                 conn.execute(self._render(conn, statement), {"version": str(SCHEMA_VERSION)})
             row = conn.execute(self._render(conn, SELECT_VERSION)).fetchone()
@@ -1005,8 +1023,13 @@ class PostgreSQLBackend(Backend):
             rows, _ = self._run(f"acquire {name!r}", "holder",
                                 {"name": values[0], "owner": owner})  # fmt: skip
             return mutex_busy(rows[0] if rows else None)
-        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
-                  "ttl": float(ttl), "limit": limit}
+        params = {
+            "name": name.encode(),
+            "owner": owner,
+            "owner_info": owner_info,
+            "ttl": float(ttl),
+            "limit": limit,
+        }
         rows, _ = self._run(f"acquire {name!r}", "acquire_slot", params)
         return slot_answer(rows[0])
 
@@ -1027,8 +1050,14 @@ class PostgreSQLBackend(Backend):
             waiter, listener_key = self._listener.queue(
                 name.encode().hex(), ticket, lambda w: self._leave_queue(name, owner, w)
             )
-        params = {"name": name.encode(), "owner": owner, "owner_info": owner_info,
-                  "ttl": float(ttl), "ticket": ticket, "listener_key": listener_key}
+        params = {
+            "name": name.encode(),
+            "owner": owner,
+            "owner_info": owner_info,
+            "ttl": float(ttl),
+            "ticket": ticket,
+            "listener_key": listener_key,
+        }
         try:
             self._run(f"queue for {name!r}", "enqueue", params)
         except BaseException:
@@ -1043,8 +1072,9 @@ class PostgreSQLBackend(Backend):
         if waiter.handed_over:
             return  # the release that handed it over also took us out of the queue
         try:
-            rows, _ = self._run(f"leave the queue for {name!r}", "dequeue",
-                                {"name": name.encode(), "owner": owner})
+            rows, _ = self._run(
+                f"leave the queue for {name!r}", "dequeue", {"name": name.encode(), "owner": owner}
+            )
             if not rows and not waiter.acquired:  # handed over as we gave up: pass it on
                 self.release(name, owner)
         except StoreUnavailable as exc:
@@ -1108,8 +1138,12 @@ class PostgreSQLBackend(Backend):
     ) -> dict[str, Grant]:
         if not names:
             return {}
-        params = {"names": [n.encode() for n in names], "owner": owner,
-                  "owner_info": owner_info, "ttl": float(ttl)}
+        params = {
+            "names": [n.encode() for n in names],
+            "owner": owner,
+            "owner_info": owner_info,
+            "ttl": float(ttl),
+        }
         rows, _ = self._run(f"claim {len(names)} names", "claim", params)
         taken = {bytes(raw).decode(): Grant(token, utc(exp)) for raw, token, exp in rows}
         return {n: taken[n] for n in names if n in taken}

@@ -236,9 +236,13 @@ class AsyncSession:
         """After a driver error: whether the connection is no longer usable (then it must be
         discarded): lost, or left in the middle of a statement."""
         conn = self.conn
-        return conn is None or conn.closed or conn.broken or (
-            conn.pgconn.status != psycopg.pq.ConnStatus.OK
-        ) or conn.pgconn.transaction_status == _ACTIVE
+        return (
+            conn is None
+            or conn.closed
+            or conn.broken
+            or (conn.pgconn.status != psycopg.pq.ConnStatus.OK)
+            or conn.pgconn.transaction_status == _ACTIVE
+        )
 
     async def discard(self) -> None:
         """Close the connection (after a timeout, a cancellation or a lost connection)."""

@@ -176,7 +176,9 @@ _LUA = _LUA_PROLOGUE + _LUA_HELPERS
 # Fast path: a mutex on a name with no key of either shape (one EXISTS for both) is free. Any
 # holder, or a zset its expired semaphore holders left (it outlives its last score by 1 ms),
 # sends the call on to `take`, which counts live holders exactly.
-ACQUIRE = _LUA_PROLOGUE + """
+ACQUIRE = (
+    _LUA_PROLOGUE
+    + """
 local lease = KEYS[1] .. ':lease'
 if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
   local t = redis.call('TIME')
@@ -185,14 +187,19 @@ if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
   redis.call('SET', lease, ARGV[1] .. ':' .. token .. ':' .. now .. ':' .. ARGV[2], 'PX', ARGV[3])
   return token .. ':' .. (now + ARGV[3])
 end
-""" + _LUA_HELPERS + """
+"""
+    + _LUA_HELPERS
+    + """
 return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARGV[4] or '1'))
 """
+)
 
 # Take every free name of a batch (limit 1 each) with one expiry for all.
 # KEYS: base keys of the names.  ARGV: owner, owner_info, ttl ms.
 # Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
-CLAIM = _LUA + """
+CLAIM = (
+    _LUA
+    + """
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 local out = {now + ttl}
@@ -202,12 +209,15 @@ for i = 1, #KEYS do
 end
 return out
 """
+)
 
 # End the owner's lease on a name and announce it on the channel "P{H}:lease".
 # KEYS: the name's base key.  ARGV: owner.
 # Returns 1 if the owner's lease was live, else 0. Never touches another owner's lease.
 # Fast path: the owner's mutex lease (the lease string starts with "owner:").
-RELEASE = _LUA_PROLOGUE + """
+RELEASE = (
+    _LUA_PROLOGUE
+    + """
 local lease = KEYS[1] .. ':lease'
 local v = redis.call('GET', lease)
 if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
@@ -215,22 +225,30 @@ if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
   redis.call('PUBLISH', lease, '1')
   return 1
 end
-""" + _LUA_HELPERS + """
+"""
+    + _LUA_HELPERS
+    + """
 return release(KEYS[1], ARGV[1])
 """
+)
 
 # RELEASE for many names. KEYS: base keys of the names.  ARGV: owner.
 # Returns how many of the owner's leases were live.
-RELEASE_MANY = _LUA + """
+RELEASE_MANY = (
+    _LUA
+    + """
 local count = 0
 for i = 1, #KEYS do count = count + release(KEYS[i], ARGV[1]) end
 return count
 """
+)
 
 # Move the owner's live lease to end ttl from now; the token is unchanged.
 # KEYS: the name's base key.  ARGV: owner, ttl ms.
 # Returns "token:expires ms", or nil if the owner holds no live lease.
-EXTEND = _LUA + """
+EXTEND = (
+    _LUA
+    + """
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
 local lease = KEYS[1] .. ':lease'
@@ -246,19 +264,25 @@ redis.call('ZADD', KEYS[1] .. ':leases', now + ttl, ARGV[1])
 keep_until_last(KEYS[1])
 return token_of(rec) .. ':' .. (now + ttl)
 """
+)
 
 # Live holders of names, read-only. KEYS: base keys of the names.
 # Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}.
-INSPECT = _LUA + """
+INSPECT = (
+    _LUA
+    + """
 local now = now_ms()
 local out = {now}
 for i = 1, #KEYS do out[i + 1] = holders(KEYS[i], now) end
 return out
 """
+)
 
 # Drop every lease on one name, whoever holds it; the fence counter stays.
 # KEYS: the name's base key.  Returns 1 if a live lease was dropped, else 0.
-FORCE_RELEASE = _LUA + """
+FORCE_RELEASE = (
+    _LUA
+    + """
 local lease = KEYS[1] .. ':lease'
 local live = redis.call('EXISTS', lease) + live_members(KEYS[1], now_ms())
 redis.call('DEL', lease, KEYS[1] .. ':leases', KEYS[1] .. ':owners')
@@ -268,16 +292,20 @@ if live > 0 then
 end
 return 0
 """
+)
 
 # Remove expired semaphore holders that live ones keep in the zset (mutex leases and zsets
 # whose holders all expired are already gone by PX / PEXPIREAT).
 # KEYS: base keys of the names.  Returns how many entries were removed.
-PURGE = _LUA + """
+PURGE = (
+    _LUA
+    + """
 local now = now_ms()
 local count = 0
 for i = 1, #KEYS do count = count + drop_expired(KEYS[i], now) end
 return count
 """
+)
 
 # Write a record if its version is still the expected one (0: absent).
 # KEYS: record hash.  ARGV: value, expected version.  Returns the new version, or -1.
@@ -342,9 +370,7 @@ def connection_settings(url: StoreURL, config: dict[str, Any]) -> dict[str, Any]
         raise ConfigError(f"{url.scheme} store: one host only (got {len(url.hosts)})")
     db_text = url.path.strip("/") or "0"
     if not db_text.isdigit():
-        raise ConfigError(
-            f"{url.scheme} store: the URL path must be a db number, not {url.path!r}"
-        )
+        raise ConfigError(f"{url.scheme} store: the URL path must be a db number, not {url.path!r}")
     ssl: dict[str, Any] = {}
     if url.scheme == "rediss":
         ssl = {"ssl": True, "ssl_cert_reqs": config["ssl_cert_reqs"]}
@@ -570,9 +596,18 @@ class RedisBackend(KeyLayout, Backend):
     def init(self) -> None:
         """Load the scripts now (they are also loaded on first use, after NOSCRIPT)."""
         with self.translate("init", _ERRORS):
-            for script in (self._acquire, self._claim, self._release, self._release_many,
-                           self._extend, self._inspect, self._force_release, self._purge,
-                           self._record_set, self._record_delete):
+            for script in (
+                self._acquire,
+                self._claim,
+                self._release,
+                self._release_many,
+                self._extend,
+                self._inspect,
+                self._force_release,
+                self._purge,
+                self._record_set,
+                self._record_delete,
+            ):
                 self.client.script_load(script.text)
 
     def close(self) -> None:

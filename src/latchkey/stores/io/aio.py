@@ -1,0 +1,185 @@
+"""The shared I/O layer, asyncio flavour: the twin of :mod:`latchkey.stores.io`.
+
+:func:`adrive` runs the same store generators as :func:`~latchkey.stores.io.drive`, each
+request awaited; :class:`AsyncDriver` is the asyncio driver's contract; :class:`AsyncPool`
+keeps connections for one event loop. A call is bounded by the store's timeout
+(:func:`bounded`), and a connection that was cancelled or timed out mid-call is closed,
+never reused (its protocol state is unknown).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.io import Steps
+
+if TYPE_CHECKING:
+    from latchkey.stores.base import BackendBase
+
+T = TypeVar("T")
+C = TypeVar("C")
+
+
+async def adrive(steps: Steps[T], answer: Callable[[Any], Awaitable[Any]]) -> T:
+    """:func:`latchkey.stores.io.drive` with each request awaited."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            request = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            value, error = await answer(request), None
+        except BaseException as exc:  # thrown into the store's generator
+            value, error = None, exc
+
+
+if sys.version_info >= (3, 11):
+
+    async def bounded(aw: Awaitable[T], seconds: float) -> T:
+        """Await ``aw`` for at most ``seconds`` (TimeoutError after that)."""
+        async with asyncio.timeout(seconds):
+            return await aw
+
+else:  # pragma: no cover - 3.10
+
+    async def bounded(aw: Awaitable[T], seconds: float) -> T:
+        return await asyncio.wait_for(aw, seconds)
+
+
+class AsyncDriver(abc.ABC):
+    """One store's connection(s) to its server, asyncio: :class:`~latchkey.stores.io.Driver`
+    with every request awaited."""
+
+    errors: ClassVar[tuple[type[BaseException], ...]] = (OSError, asyncio.TimeoutError)
+
+    def __init__(self, backend: BackendBase, store: Any) -> None:
+        self.backend = backend
+        self.store = store
+
+    @abc.abstractmethod
+    async def answer(self, request: Any) -> Any:
+        """Carry out one request."""
+
+    async def run(self, steps: Steps[T], action: str) -> T:
+        """Run a store primitive; a driver error becomes StoreUnavailable naming ``action``."""
+        try:
+            return await adrive(steps, self.answer)
+        except StoreUnavailable:
+            raise
+        except self.errors as exc:
+            self.backend.unavailable(exc, action)
+
+    async def aclose(self) -> None:  # noqa: B027 - a driver with nothing to close
+        """Release every connection."""
+
+
+class AsyncPool(Generic[C]):
+    """:class:`latchkey.stores.io.Pool` for one event loop: ``open``/``close``/``alive`` are
+    coroutine functions; a caller cancelled while it holds a connection closes it."""
+
+    def __init__(
+        self,
+        open: Callable[[], Awaitable[C]],
+        close: Callable[[C], Awaitable[None]],
+        *,
+        alive: Callable[[C], Awaitable[bool]] | None = None,
+        keep: Callable[[Exception], bool] | None = None,
+        size: int = 8,
+        check_after: float = 0.0,
+    ) -> None:
+        self._open, self._close, self._alive, self._keep = open, close, alive, keep
+        self.size = size
+        self.check_after = check_after
+        self._idle: list[tuple[C, float]] = []
+        self._busy: dict[int, int] = {}
+        self._generation = 0
+        self._freed: asyncio.Condition | None = None
+
+    def _cond(self) -> asyncio.Condition:
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        return self._freed
+
+    async def get(self, timeout: float) -> C:
+        """An idle connection, or a new one; waits up to ``timeout`` when ``size`` are busy."""
+        cond = self._cond()
+        if not self._idle and len(self._busy) >= self.size:
+            async with cond:
+                await bounded(
+                    cond.wait_for(lambda: bool(self._idle) or len(self._busy) < self.size),
+                    timeout,
+                )
+        generation = self._generation
+        while self._idle:
+            conn, since = self._idle.pop()
+            self._busy[id(conn)] = generation
+            if self._alive is None or time.monotonic() - since < self.check_after:
+                return conn
+            try:
+                if await self._alive(conn):
+                    return conn
+            except BaseException:
+                await self.discard(conn)
+                raise
+            await self.discard(conn)
+        self._busy[id(self)] = generation  # a place, taken before the await
+        try:
+            conn = await self._open()
+        except BaseException:
+            self._busy.pop(id(self), None)
+            await self._notify()
+            raise
+        self._busy.pop(id(self), None)
+        self._busy[id(conn)] = generation
+        return conn
+
+    async def _notify(self) -> None:
+        cond = self._cond()
+        async with cond:
+            cond.notify()
+
+    async def put(self, conn: C) -> None:
+        generation = self._busy.pop(id(conn), None)
+        if generation == self._generation:
+            self._idle.append((conn, time.monotonic()))
+        else:
+            await self._close(conn)
+        await self._notify()
+
+    async def discard(self, conn: C) -> None:
+        self._busy.pop(id(conn), None)
+        try:
+            await self._close(conn)
+        finally:
+            await self._notify()
+
+    @contextlib.asynccontextmanager
+    async def connection(self, timeout: float) -> AsyncIterator[C]:
+        conn = await self.get(timeout)
+        try:
+            yield conn
+        except Exception as exc:
+            if self._keep is not None and self._keep(exc):
+                await self.put(conn)
+            else:
+                await self.discard(conn)
+            raise
+        except BaseException:  # cancelled mid-call: the protocol state is unknown
+            await asyncio.shield(self.discard(conn))
+            raise
+        await self.put(conn)
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        self._generation += 1
+        for conn, _ in idle:
+            await self._close(conn)

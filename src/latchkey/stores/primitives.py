@@ -1,0 +1,321 @@
+"""A built-in store, written once: its primitives as generators of driver requests.
+
+A store module subclasses :class:`Store`: its statements or scripts as named constants, its
+reply parsing, and each primitive of the store protocol (:class:`latchkey.stores.base.Backend`)
+as a *generator* that yields the requests it needs — run this statement, evaluate this
+script, open a waiter — receives the answers, and returns the primitive's answer in
+latchkey's plain types. A store does no I/O, so one module serves both APIs: its sync driver
+answers each request with a blocking call, its asyncio driver with an await (the shared I/O
+layer, :mod:`latchkey.stores.io`). Drivers are named as ``"module:Class"`` and imported on
+first use, so the sync API never imports an asyncio driver.
+
+:class:`StoreBackend` and :class:`AsyncStoreBackend` turn a Store into the
+:class:`~latchkey.stores.base.Backend` and :class:`~latchkey.stores.base.AsyncBackend` the core
+drives: the same few lines for every store, written here once. A store module ends with::
+
+    class SQLiteBackend(StoreBackend):
+        store_class = SQLite
+
+    class AsyncSQLiteBackend(AsyncStoreBackend):
+        store_class = SQLite A primitive that needs no I/O may simply ``return`` (a
+generator function that yields nothing is still run by the driver). Errors raised by a
+request are thrown into the generator at its ``yield``: a store catches only what it gives
+meaning to (a duplicate key, a lost deadlock), the driver maps the rest to StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from latchkey._types import Busy, Grant, LockInfo
+from latchkey._url import Option, StoreURL
+from latchkey.errors import Unsupported
+from latchkey.stores.base import AsyncBackend, Backend, BackendBase, Capabilities
+from latchkey.stores.io import Steps
+
+if TYPE_CHECKING:
+    from latchkey.stores.io import Driver
+    from latchkey.stores.io.aio import AsyncDriver
+
+
+class Store:
+    """A store's primitives, I/O-free. See the module docstring and ``base.Backend`` for what
+    each primitive promises; here each one is a generator (``Steps``) with the same
+    arguments and answer."""
+
+    scheme: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    options: ClassVar[Mapping[str, Option]] = {}
+    #: ``"module:Class"`` of the sync driver (a :class:`~latchkey.stores.io.Driver`).
+    sync_driver: ClassVar[str] = ""
+    #: ``"module:Class"`` of the asyncio driver (an :class:`~latchkey.stores.io.aio.AsyncDriver`).
+    async_driver: ClassVar[str] = ""
+
+    def __init__(self, backend: BackendBase) -> None:
+        self.url: StoreURL = backend.url
+        self.config: dict[str, Any] = backend.config
+        self.timeout: float = backend.timeout
+
+    # -- required ----------------------------------------------------------------------------
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[Grant | Busy]:
+        raise NotImplementedError
+
+    def release(self, name: str, owner: str) -> Steps[bool]:
+        raise NotImplementedError
+
+    def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
+        raise NotImplementedError
+
+    def inspect(self, name: str) -> Steps[LockInfo | None]:
+        raise NotImplementedError
+
+    def list(self, prefix: str) -> Steps[list[LockInfo]]:
+        raise NotImplementedError
+
+    def force_release(self, name: str) -> Steps[bool]:
+        raise NotImplementedError
+
+    def purge_expired(self) -> Steps[int]:
+        raise NotImplementedError
+
+    def now(self) -> Steps[datetime]:
+        raise NotImplementedError
+
+    # -- by capability -----------------------------------------------------------------------
+
+    def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Steps[Grant | Busy]:
+        raise Unsupported(f"the {self.scheme} store cannot wait in the server")
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> Steps[dict[str, Grant]]:
+        raise Unsupported(f"the {self.scheme} store does not support batch claims")
+
+    def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
+        live = 0
+        for name in names:
+            live += yield from self.release(name, owner)
+        return live
+
+    def record_get(self, name: str) -> Steps[tuple[str | None, int]]:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    def record_set(self, name: str, value: str, version: int) -> Steps[int | None]:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    def record_delete(self, name: str, version: int) -> Steps[bool]:
+        raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[Any]:
+        """The waiter of one blocked acquire (a driver's Waiter or AsyncWaiter), or None: the
+        store has no push and the core polls."""
+        return None
+        yield  # a generator
+
+    def init(self) -> Steps[None]:
+        """Create tables, indexes or scripts now (they are also created on first use)."""
+        return None
+        yield  # a generator
+
+
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class StoreBackend(Backend):
+    """The sync Backend of a :class:`Store`: each primitive run by the store's sync driver."""
+
+    store_class: ClassVar[type[Store]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        store = cls.__dict__.get("store_class")
+        if store is not None:  # the store's scheme, capabilities and options, read by the core
+            cls.scheme, cls.capabilities, cls.options = (
+                store.scheme,
+                store.capabilities,
+                store.options,
+            )
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.store = self.store_class(self)
+        self.io: Driver = _load(self.store_class.sync_driver)(self, self.store)
+
+    def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        return self.io.run(self.store.acquire(name, owner, owner_info, ttl, limit), "acquire")
+
+    def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Grant | Busy:
+        steps = self.store.acquire_blocking(name, owner, owner_info, ttl, limit, timeout)
+        return self.io.run(steps, "acquire")
+
+    def release(self, name: str, owner: str) -> bool:
+        return self.io.run(self.store.release(name, owner), "release")
+
+    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        return self.io.run(self.store.extend(name, owner, ttl), "extend")
+
+    def inspect(self, name: str) -> LockInfo | None:
+        return self.io.run(self.store.inspect(name), "inspect")
+
+    def list(self, prefix: str = "") -> Iterator[LockInfo]:
+        yield from self.io.run(self.store.list(prefix), "list")
+
+    def force_release(self, name: str) -> bool:
+        return self.io.run(self.store.force_release(name), "force release")
+
+    def purge_expired(self) -> int:
+        return self.io.run(self.store.purge_expired(), "purge")
+
+    def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        return self.io.run(self.store.claim(names, owner, owner_info, ttl), "claim")
+
+    def release_many(self, names: Sequence[str], owner: str) -> int:
+        return self.io.run(self.store.release_many(names, owner), "release")
+
+    def record_get(self, name: str) -> tuple[str | None, int]:
+        return self.io.run(self.store.record_get(name), "record read")
+
+    def record_set(self, name: str, value: str, version: int) -> int | None:
+        return self.io.run(self.store.record_set(name, value, version), "record write")
+
+    def record_delete(self, name: str, version: int) -> bool:
+        return self.io.run(self.store.record_delete(name, version), "record delete")
+
+    def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
+        return self.io.run(self.store.wait_in_line(name, owner, owner_info, ttl, limit), "wait")
+
+    def subscribe(self, name: str) -> Any:
+        return self.wait_in_line(name, "", "", 0.0, 1)
+
+    def now(self) -> datetime:
+        return self.io.run(self.store.now(), "clock read")
+
+    def init(self) -> None:
+        self.io.run(self.store.init(), "connect")
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class AsyncStoreBackend(AsyncBackend):
+    """The asyncio AsyncBackend of a :class:`Store`: each primitive run by its asyncio
+    driver."""
+
+    store_class: ClassVar[type[Store]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        store = cls.__dict__.get("store_class")
+        if store is not None:  # the store's scheme, capabilities and options, read by the core
+            cls.scheme, cls.capabilities, cls.options = (
+                store.scheme,
+                store.capabilities,
+                store.options,
+            )
+
+    def __init__(self, url: StoreURL) -> None:
+        super().__init__(url)
+        self.store = self.store_class(self)
+        self.io: AsyncDriver = _load(self.store_class.async_driver)(self, self.store)
+
+    async def acquire(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
+    ) -> Grant | Busy:
+        steps = self.store.acquire(name, owner, owner_info, ttl, limit)
+        return await self.io.run(steps, "acquire")
+
+    async def acquire_blocking(
+        self,
+        name: str,
+        owner: str,
+        owner_info: str,
+        ttl: float,
+        limit: int,
+        timeout: float | None,
+    ) -> Grant | Busy:
+        steps = self.store.acquire_blocking(name, owner, owner_info, ttl, limit, timeout)
+        return await self.io.run(steps, "acquire")
+
+    async def release(self, name: str, owner: str) -> bool:
+        return await self.io.run(self.store.release(name, owner), "release")
+
+    async def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+        return await self.io.run(self.store.extend(name, owner, ttl), "extend")
+
+    async def inspect(self, name: str) -> LockInfo | None:
+        return await self.io.run(self.store.inspect(name), "inspect")
+
+    async def list(self, prefix: str = "") -> AsyncIterator[LockInfo]:
+        for info in await self.io.run(self.store.list(prefix), "list"):
+            yield info
+
+    async def force_release(self, name: str) -> bool:
+        return await self.io.run(self.store.force_release(name), "force release")
+
+    async def purge_expired(self) -> int:
+        return await self.io.run(self.store.purge_expired(), "purge")
+
+    async def claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> dict[str, Grant]:
+        return await self.io.run(self.store.claim(names, owner, owner_info, ttl), "claim")
+
+    async def release_many(self, names: Sequence[str], owner: str) -> int:
+        return await self.io.run(self.store.release_many(names, owner), "release")
+
+    async def record_get(self, name: str) -> tuple[str | None, int]:
+        return await self.io.run(self.store.record_get(name), "record read")
+
+    async def record_set(self, name: str, value: str, version: int) -> int | None:
+        return await self.io.run(self.store.record_set(name, value, version), "record write")
+
+    async def record_delete(self, name: str, version: int) -> bool:
+        return await self.io.run(self.store.record_delete(name, version), "record delete")
+
+    async def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Any:
+        steps = self.store.wait_in_line(name, owner, owner_info, ttl, limit)
+        return await self.io.run(steps, "wait")
+
+    async def subscribe(self, name: str) -> Any:
+        return await self.wait_in_line(name, "", "", 0.0, 1)
+
+    async def now(self) -> datetime:
+        return await self.io.run(self.store.now(), "clock read")
+
+    async def init(self) -> None:
+        await self.io.run(self.store.init(), "connect")
+
+    async def aclose(self) -> None:
+        await self.io.aclose()
