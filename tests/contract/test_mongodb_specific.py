@@ -22,8 +22,7 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_async_backend, open_backend
-from latchkey.stores.mongodb import MongoDBBackend
-from latchkey.stores.mongodb_async import AsyncMongoDBBackend
+from latchkey.stores.mongodb import AsyncMongoDBBackend, MongoDBBackend, lock_let
 from tests.conftest import ServerPool
 from tests.servers import RunningServer, ServerUnavailable, free_port
 
@@ -50,9 +49,9 @@ def test_url_options_reach_pymongo() -> None:
         "&replicaSet=rs0&authSource=admin&readPreference=primary"
     )
     try:
-        assert b.locks.full_name == "orders.my_locks"
-        assert b.records.full_name == "orders.my_locks_records"
-        options = b.client.options
+        assert b.io.locks.full_name == "orders.my_locks"
+        assert b.io.records.full_name == "orders.my_locks_records"
+        options = b.io.client.options
         assert options.replica_set_name == "rs0"
         assert options.write_concern.document == {"w": "majority"}  # the default we set
         assert options.server_selection_timeout == 2.0
@@ -66,8 +65,8 @@ def test_url_options_reach_pymongo() -> None:
 def test_defaults_and_an_explicit_write_concern() -> None:
     b = _open("mongodb://127.0.0.1:1?w=1")
     try:
-        assert b.locks.full_name == "latchkey.latchkey_locks"
-        assert b.client.options.write_concern.document == {"w": 1}
+        assert b.io.locks.full_name == "latchkey.latchkey_locks"
+        assert b.io.client.options.write_concern.document == {"w": 1}
         assert b.timeout == 5.0
     finally:
         b.close()
@@ -109,7 +108,7 @@ def test_constructing_connects_to_nothing() -> None:
 
 def test_user_strings_are_literals_in_pipelines() -> None:
     """Owner info is the caller's text: it must never be read as a field path or operator."""
-    let = MongoDBBackend._let("$owner", '$info {"$where": 1}', 1.5, 3)
+    let = lock_let("$owner", '$info {"$where": 1}', 1.5, 3)
     assert let == {
         "owner": {"$literal": "$owner"},
         "info": {"$literal": '$info {"$where": 1}'},
@@ -165,8 +164,8 @@ def mongo_url(server_pool: ServerPool) -> str:
 def backend(mongo_url: str) -> Iterator[MongoDBBackend]:
     b = _open(mongo_url)
     yield b
-    b.locks.drop()
-    b.records.drop()
+    b.io.locks.drop()
+    b.io.records.drop()
     b.close()
 
 
@@ -176,7 +175,7 @@ def test_a_live_holder_is_never_overwritten(backend: MongoDBBackend) -> None:
     assert isinstance(first, Grant)
     busy = backend.acquire("migrations", B, INFO, 30)
     assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
-    doc = backend.locks.find_one({"_id": "migrations"})
+    doc = backend.io.locks.find_one({"_id": "migrations"})
     assert doc is not None and [h["owner"] for h in doc["holders"]] == [A]
 
 
@@ -192,14 +191,14 @@ def test_release_checks_the_owner(backend: MongoDBBackend) -> None:
 def test_document_layout_and_ttl_index(backend: MongoDBBackend) -> None:
     grant = backend.acquire("job", A, INFO, 30)
     assert isinstance(grant, Grant)
-    doc = backend.locks.find_one({"_id": "job"})
+    doc = backend.io.locks.find_one({"_id": "job"})
     assert doc is not None
     assert set(doc) == {"_id", "fence", "holders", "gc"}
     assert doc["fence"] == grant.token
     (holder,) = doc["holders"]
     assert holder["owner"] == A and holder["info"] == INFO and holder["token"] == grant.token
     assert doc["gc"] >= holder["expires"]
-    indexes = backend.locks.index_information()
+    indexes = backend.io.locks.index_information()
     assert indexes["latchkey_gc"]["expireAfterSeconds"] == 0
 
 
@@ -208,7 +207,7 @@ def test_tokens_continue_after_the_document_is_purged(backend: MongoDBBackend) -
     assert isinstance(first, Grant) and first.token is not None
     time.sleep(0.2)
     assert backend.purge_expired() == 1
-    assert backend.locks.find_one({"_id": "job"}) is None
+    assert backend.io.locks.find_one({"_id": "job"}) is None
     second = backend.acquire("job", B, INFO, 30)
     assert isinstance(second, Grant) and second.token is not None
     assert second.token > first.token
@@ -329,7 +328,7 @@ def test_async_stopped_server_is_unavailable_within_the_timeout_then_recovers(
             assert isinstance(await b.acquire("job", B, INFO, 60), Busy)
             assert await b.release("job", A) is True
         finally:
-            await b.locks.drop()
+            await b.io.locks.drop()
             await b.aclose()
 
     asyncio.run(main())

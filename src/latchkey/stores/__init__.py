@@ -56,8 +56,8 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "redis": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),
-    "mongodb": _store("mongodb", "MongoDBBackend", "AsyncMongoDBBackend", "mongodb"),
-    "mongodb+srv": _store("mongodb", "MongoDBBackend", "AsyncMongoDBBackend", "mongodb"),
+    "mongodb": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
+    "mongodb+srv": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
 }
 
 

@@ -23,34 +23,32 @@ as ``{_id: name, v: version, d: JSON text}``.
 
 Needs MongoDB ≥ 5.0 (``let`` variables in updates). Waiters poll: change streams would need a
 replica set, and latchkey does not require one.
+
+Each primitive is a generator of requests (:class:`~latchkey.stores.io.pymongo.Call`: a
+method of the lease or records collection; :class:`~latchkey.stores.io.pymongo.Scan`: a
+cursor read) carried out by PyMongo's sync client or its native asyncio client
+(``stores/io/pymongo.py``, ``stores/io/pymongo_async.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import quote_plus
 
-from pymongo import MongoClient, ReturnDocument, UpdateOne
-from pymongo.collection import Collection
-from pymongo.errors import (
-    BulkWriteError,
-    ConfigurationError,
-    DuplicateKeyError,
-    PyMongoError,
-)
+from pymongo import ReturnDocument, UpdateOne
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
-from latchkey._url import Option, StoreURL, identifier
+from latchkey._url import Option, identifier
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Backend, Capabilities
+from latchkey.stores.base import BackendBase
+from latchkey.stores.io import Steps
+from latchkey.stores.io.pymongo import PASSTHROUGH, Call, Document, Scan
+from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 
-Document = dict[str, Any]
 Pipeline = list[Document]
 _DUPLICATE_KEY = 11000
 _DATABASE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
@@ -127,8 +125,13 @@ ACQUIRE: Pipeline = [
 ]
 
 # What an acquire returns: the holders, and the server's clock of the same command (for the
-# time a lease found again has left).
-ACQUIRE_PROJECTION: Document = {"holders": 1, "now": "$$NOW"}
+# time a lease found again has left); upserted, the document after the update.
+ACQUIRE_OPTIONS: Document = {
+    "upsert": True,
+    "projection": {"holders": 1, "now": "$$NOW"},
+    "return_document": ReturnDocument.AFTER,
+}
+INDEX: Document = {"expireAfterSeconds": 0, "name": "latchkey_gc"}
 
 # Release (update on {_id: name(s), $expr: _OURS_LIVE}): remove the caller's lease. Matches
 # nothing — and changes nothing — unless the caller's own lease is live.
@@ -179,75 +182,17 @@ _ANY_LIVE: Document = {"$gt": [{"$size": _LIVE}, 0]}
 PURGE_FILTER: Document = {"gc": {"$type": "date"}, "$expr": {"$lt": ["$gc", "$$NOW"]}}
 
 
-def _text(value: str) -> str:
-    return value
-
-
-# MongoDB connection-string options passed through to pymongo as given.
-_PASSTHROUGH = (
-    "appName", "authMechanism", "authMechanismProperties", "authSource", "compressors",
-    "directConnection", "journal", "loadBalanced", "maxPoolSize", "minPoolSize",
-    "readConcernLevel", "readPreference", "replicaSet", "retryReads", "retryWrites", "ssl",
-    "tls", "tlsAllowInvalidCertificates", "tlsAllowInvalidHostnames", "tlsCAFile",
-    "tlsCertificateKeyFile", "tlsCertificateKeyFilePassword", "tlsInsecure", "w", "wTimeoutMS",
-)  # fmt: skip
-
-
 def _utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
 
 
 def _holder(data: Mapping[str, Any]) -> Holder:
-    return Holder(
-        int(data["token"]),
-        Owner.from_json(data.get("info")),
-        _utc(data["acquired"]),
-        _utc(data["expires"]),
-    )
+    token, expires = _lease(data)
+    return Holder(token, Owner.from_json(data.get("info")), _utc(data["acquired"]), expires)
 
 
-def client_settings(url: StoreURL, timeout: float) -> tuple[str, str, dict[str, Any]]:
-    """The connection string, database name and client keyword arguments for ``url``: the
-    same for the sync and the asyncio client. Raises ConfigError for a bad URL."""
-    if not url.hosts:
-        raise ConfigError(f"{url.scheme} store: the URL names no host")
-    database = url.path.strip("/") or "latchkey"
-    if not _DATABASE.match(database):
-        raise ConfigError(
-            f"{url.scheme} store: database {database!r} must be letters, digits, _ and -"
-        )
-    netloc = url.raw.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
-    given = {k: v for k, v in url.query.items() if k in _PASSTHROUGH}
-    # pymongo unquotes values (unquote_plus), except authMechanismProperties' "K:V,K:V".
-    query = "&".join(f"{k}={quote_plus(v, safe=':,/')}" for k, v in given.items())
-    path = f"/{database}" if url.path.strip("/") else "/"
-    uri = f"{url.scheme}://{netloc}{path}" + (f"?{query}" if query else "")
-    ms = max(1, round(timeout * 1000))
-    kwargs: dict[str, Any] = {
-        "connect": False,
-        "tz_aware": True,
-        "serverSelectionTimeoutMS": ms,
-        "connectTimeoutMS": ms,
-        "socketTimeoutMS": ms,
-    }
-    if "w" not in given:
-        kwargs["w"] = "majority"
-    if "appName" not in given:
-        kwargs["appname"] = "latchkey"
-    return uri, database, kwargs
-
-
-@contextlib.contextmanager
-def config_errors(url: StoreURL) -> Iterator[None]:
-    """Creating a client: a bad option value (pymongo only warns about some) is ConfigError."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)
-            yield
-    except (ConfigurationError, ValueError, TypeError, UserWarning) as exc:
-        raise ConfigError(
-            f"{url.scheme} store at {url.redacted()}: {url.scrub(str(exc))}"
-        ) from None
+def _lease(data: Mapping[str, Any]) -> tuple[int, datetime]:
+    return int(data["token"]), _utc(data["expires"])
 
 
 def lock_let(owner: str, info: str = "", ttl: float = 0.0, limit: int = 1) -> Document:
@@ -278,17 +223,12 @@ def extended(doc: Mapping[str, Any] | None, owner: str) -> Grant | None:
     """Read the document an extend returned: the caller's lease, if it was live."""
     for data in (doc or {}).get("holders") or []:
         if data.get("owner") == owner:
-            return Grant(int(data["token"]), _utc(data["expires"]))
+            return Grant(*_lease(data))
     return None
 
 
-def inspect_pipeline(name: str) -> Pipeline:
-    return [{"$match": {"_id": name}}, {"$project": {"holders": _LIVE}}]
-
-
 def list_pipeline(prefix: str) -> Pipeline:
-    """Documents with live holders from ``prefix`` on, in _id order (stop past the prefix:
-    see :func:`past_prefix`)."""
+    """Documents with live holders from ``prefix`` on, in _id order (stop :func:`past` it)."""
     start: Pipeline = [{"$match": {"_id": {"$gte": prefix}}}] if prefix else []
     return [
         *start,
@@ -298,13 +238,10 @@ def list_pipeline(prefix: str) -> Pipeline:
     ]
 
 
-def past_prefix(doc: Mapping[str, Any], prefix: str) -> bool:
-    """True once the _id order (UTF-8 byte order) has left the prefix's range."""
-    return not isinstance(doc["_id"], str) or not doc["_id"].startswith(prefix)
-
-
-def claim_requests(names: Sequence[str]) -> list[UpdateOne]:
-    return [UpdateOne({"_id": n}, ACQUIRE, upsert=True) for n in names]
+def past(prefix: str) -> Any:
+    """A list scan's stop: true once the _id order (UTF-8 byte order) has left the prefix's
+    range."""
+    return lambda doc: not isinstance(doc["_id"], str) or not doc["_id"].startswith(prefix)
 
 
 def claim_lost_races_only(exc: BulkWriteError) -> bool:
@@ -316,180 +253,143 @@ def claim_lost_races_only(exc: BulkWriteError) -> bool:
     )
 
 
-def claimed_filter(names: Sequence[str], owner: str) -> tuple[Document, Document]:
-    """The find (filter, projection) of the names a claim took."""
-    return {"_id": {"$in": list(names)}, "holders.owner": owner}, {
-        "holders": {"$elemMatch": {"owner": owner}}
-    }
-
-
-def claimed(doc: Mapping[str, Any]) -> Grant:
-    data = doc["holders"][0]
-    return Grant(int(data["token"]), _utc(data["expires"]))
-
-
-def record_reply(doc: Mapping[str, Any] | None) -> tuple[str | None, int]:
-    return (None, 0) if doc is None else (str(doc["d"]), int(doc["v"]))
-
-
-class MongoDBBackend(Backend):
+class MongoDB(Store):
     """Leases as MongoDB documents; every primitive is one single-document (or bulk) command."""
 
     scheme = "mongodb"
-    capabilities = Capabilities()
     options = {
         "collection": Option(identifier, "latchkey_locks", "collection of the lease documents"),
-        **{name: Option(_text, None, "passed to pymongo") for name in _PASSTHROUGH},
+        **{name: Option(str, None, "passed to pymongo") for name in PASSTHROUGH},
     }
+    sync_driver = "latchkey.stores.io.pymongo:MongoDriver"
+    async_driver = "latchkey.stores.io.pymongo_async:AsyncMongoDriver"
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
-        uri, database, kwargs = client_settings(url, self.timeout)
-        with config_errors(url):
-            self.client: MongoClient[Document] = MongoClient(uri, **kwargs)
-        db = self.client[database]
-        name = self.config["collection"]
-        self.locks: Collection[Document] = db[name]
-        self.records: Collection[Document] = db[f"{name}_records"]
+    def __init__(self, backend: BackendBase) -> None:
+        super().__init__(backend)
+        url = self.url
+        if not url.hosts:
+            raise ConfigError(f"{url.scheme} store: the URL names no host")
+        self.database = url.path.strip("/") or "latchkey"
+        if not _DATABASE.match(self.database):
+            raise ConfigError(
+                f"{url.scheme} store: database {self.database!r} must be letters, digits, _ and -"
+            )
+        self.collection: str = self.config["collection"]
         self._indexed = False
 
-    def _ensure_index(self) -> None:
+    def _ensure_index(self) -> Steps[None]:
         """The TTL index on ``gc`` (garbage collection only; expiry is checked by $$NOW)."""
         if not self._indexed:
-            self.locks.create_index("gc", expireAfterSeconds=0, name="latchkey_gc")
+            yield Call("locks", "create_index", ("gc",), INDEX)
             self._indexed = True
 
-    def init(self) -> None:
-        with self.translate("init", (PyMongoError,)):
-            self._ensure_index()
-
-    _let = staticmethod(lock_let)
+    def init(self) -> Steps[None]:
+        yield from self._ensure_index()
 
     # -- leases ------------------------------------------------------------------------------
 
     def acquire(
-        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
-    ) -> Grant | Busy:
-        with self.translate("acquire", (PyMongoError,)):
-            self._ensure_index()
-            try:
-                doc = self.locks.find_one_and_update(
-                    {"_id": name},
-                    ACQUIRE,
-                    upsert=True,
-                    projection=ACQUIRE_PROJECTION,
-                    return_document=ReturnDocument.AFTER,
-                    let=self._let(owner, owner_info, ttl, limit),
-                )
-            except DuplicateKeyError:
-                return Busy(0)  # two first acquires raced to insert: the core retries at once
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[Grant | Busy]:
+        yield from self._ensure_index()
+        options = {**ACQUIRE_OPTIONS, "let": lock_let(owner, owner_info, ttl, limit)}
+        try:
+            doc = yield Call(
+                "locks", "find_one_and_update", ({"_id": name}, ACQUIRE), options, True
+            )
+        except DuplicateKeyError:
+            return Busy(0)  # two first acquires raced to insert: the core retries at once
         return acquired(doc, owner)
 
-    def release(self, name: str, owner: str) -> bool:
-        with self.translate("release", (PyMongoError,)):
-            result = self.locks.update_one(
-                {"_id": name, "$expr": _OURS_LIVE}, RELEASE, let=self._let(owner)
-            )
-        return result.matched_count == 1
+    def release(self, name: str, owner: str) -> Steps[bool]:
+        args = ({"_id": name, "$expr": _OURS_LIVE}, RELEASE)
+        result = yield Call("locks", "update_one", args, {"let": lock_let(owner)})
+        return bool(result.matched_count == 1)
 
-    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
-        with self.translate("extend", (PyMongoError,)):
-            doc = self.locks.find_one_and_update(
-                {"_id": name, "$expr": _OURS_LIVE},
-                EXTEND,
-                return_document=ReturnDocument.AFTER,
-                let=self._let(owner, ttl=ttl),
-            )
+    def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
+        options = {"return_document": ReturnDocument.AFTER, "let": lock_let(owner, ttl=ttl)}
+        args = ({"_id": name, "$expr": _OURS_LIVE}, EXTEND)
+        doc = yield Call("locks", "find_one_and_update", args, options)
         return extended(doc, owner)
 
-    def inspect(self, name: str) -> LockInfo | None:
-        with self.translate("inspect", (PyMongoError,)):
-            docs = list(self.locks.aggregate(inspect_pipeline(name)))
+    def inspect(self, name: str) -> Steps[LockInfo | None]:
+        pipeline = [{"$match": {"_id": name}}, {"$project": {"holders": _LIVE}}]
+        docs = yield Scan("locks", "aggregate", (pipeline,))
         return _info(docs[0]) if docs else None
 
-    def list(self, prefix: str = "") -> Iterator[LockInfo]:
-        pipeline = list_pipeline(prefix)
-        with self.translate("list", (PyMongoError,)), self.locks.aggregate(pipeline) as cursor:
-            for doc in cursor:
-                if past_prefix(doc, prefix):
-                    break
-                info = _info(doc)
-                if info is not None:
-                    yield info
+    def list(self, prefix: str) -> Steps[list[LockInfo]]:
+        docs = yield Scan("locks", "aggregate", (list_pipeline(prefix),), past(prefix))
+        return [info for info in map(_info, docs) if info is not None]
 
-    def force_release(self, name: str) -> bool:
-        with self.translate("force_release", (PyMongoError,)):
-            result = self.locks.update_one({"_id": name, "$expr": _ANY_LIVE}, FORCE_RELEASE)
-        return result.matched_count == 1
+    def force_release(self, name: str) -> Steps[bool]:
+        args = ({"_id": name, "$expr": _ANY_LIVE}, FORCE_RELEASE)
+        result = yield Call("locks", "update_one", args)
+        return bool(result.matched_count == 1)
 
-    def purge_expired(self) -> int:
+    def purge_expired(self) -> Steps[int]:
         """Delete the documents whose every lease has ended (see ``gc``); return how many."""
-        with self.translate("purge_expired", (PyMongoError,)):
-            return self.locks.delete_many(PURGE_FILTER).deleted_count
+        result = yield Call("locks", "delete_many", (PURGE_FILTER,))
+        return int(result.deleted_count)
 
     # -- batch claims: one bulk write, then one find -----------------------------------------
 
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
-    ) -> dict[str, Grant]:
-        requests = claim_requests(names)
-        with self.translate("claim", (PyMongoError,)):
-            self._ensure_index()
-            try:
-                self.locks.bulk_write(
-                    requests, ordered=False, let=self._let(owner, owner_info, ttl, 1)
-                )
-            except BulkWriteError as exc:
-                if not claim_lost_races_only(exc):
-                    raise
-            grants = {
-                doc["_id"]: claimed(doc) for doc in self.locks.find(*claimed_filter(names, owner))
-            }
-        return grants
+    ) -> Steps[dict[str, Grant]]:
+        yield from self._ensure_index()
+        options = {"ordered": False, "let": lock_let(owner, owner_info, ttl, 1)}
+        try:
+            requests = [UpdateOne({"_id": n}, ACQUIRE, upsert=True) for n in names]
+            yield Call("locks", "bulk_write", (requests,), options, True)
+        except BulkWriteError as exc:
+            if not claim_lost_races_only(exc):
+                raise
+        mine = {"_id": {"$in": list(names)}, "holders.owner": owner}
+        docs = yield Scan("locks", "find", (mine, {"holders": {"$elemMatch": {"owner": owner}}}))
+        return {doc["_id"]: Grant(*_lease(doc["holders"][0])) for doc in docs}
 
-    def release_many(self, names: Sequence[str], owner: str) -> int:
-        with self.translate("release_many", (PyMongoError,)):
-            result = self.locks.update_many(
-                {"_id": {"$in": list(names)}, "$expr": _OURS_LIVE}, RELEASE, let=self._let(owner)
-            )
-        return result.matched_count
+    def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
+        args = ({"_id": {"$in": list(names)}, "$expr": _OURS_LIVE}, RELEASE)
+        result = yield Call("locks", "update_many", args, {"let": lock_let(owner)})
+        return int(result.matched_count)
 
     # -- versioned records -------------------------------------------------------------------
 
-    def record_get(self, name: str) -> tuple[str | None, int]:
-        with self.translate("record_get", (PyMongoError,)):
-            doc = self.records.find_one({"_id": name})
-        return record_reply(doc)
+    def record_get(self, name: str) -> Steps[tuple[str | None, int]]:
+        doc = yield Call("records", "find_one", ({"_id": name},))
+        return (None, 0) if doc is None else (str(doc["d"]), int(doc["v"]))
 
-    def record_set(self, name: str, value: str, version: int) -> int | None:
-        with self.translate("record_set", (PyMongoError,)):
-            if version == 0:
-                try:
-                    self.records.insert_one({"_id": name, "v": 1, "d": value})
-                except DuplicateKeyError:
-                    return None
-                return 1
-            result = self.records.update_one(
-                {"_id": name, "v": version}, {"$set": {"v": version + 1, "d": value}}
-            )
+    def record_set(self, name: str, value: str, version: int) -> Steps[int | None]:
+        if version == 0:
+            try:
+                yield Call("records", "insert_one", ({"_id": name, "v": 1, "d": value},))
+            except DuplicateKeyError:
+                return None
+            return 1
+        change = {"$set": {"v": version + 1, "d": value}}
+        result = yield Call("records", "update_one", ({"_id": name, "v": version}, change))
         return version + 1 if result.matched_count == 1 else None
 
-    def record_delete(self, name: str, version: int) -> bool:
+    def record_delete(self, name: str, version: int) -> Steps[bool]:
         if version == 0:
             return False
-        with self.translate("record_delete", (PyMongoError,)):
-            return self.records.delete_one({"_id": name, "v": version}).deleted_count == 1
+        result = yield Call("records", "delete_one", ({"_id": name, "v": version},))
+        return bool(result.deleted_count == 1)
 
-    # -- clock and lifecycle -----------------------------------------------------------------
+    # -- clock -------------------------------------------------------------------------------
 
-    def now(self) -> datetime:
+    def now(self) -> Steps[datetime]:
         """The server's clock: ``localTime`` from the ``hello`` command."""
-        with self.translate("now", (PyMongoError,)):
-            reply = self.client.admin.command("hello")
+        reply = yield Call("admin", "command", ("hello",))
         return _utc(reply["localTime"])
 
-    def close(self) -> None:
-        self.client.close()
+
+class MongoDBBackend(StoreBackend):
+    store_class = MongoDB
+
+
+class AsyncMongoDBBackend(AsyncStoreBackend):
+    store_class = MongoDB
 
 
 def _info(doc: Mapping[str, Any]) -> LockInfo | None:
