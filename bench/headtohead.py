@@ -29,6 +29,7 @@ from tests.servers import SERVERS, load_all  # noqa: E402
 SERVER = {
     "redis": "redis", "memcached": "memcached", "postgresql": "postgresql",
     "postgresql+advisory": "postgresql", "mysql": "mysql", "mysql+getlock": "mysql",
+    "mongodb": "mongodb", "sqlite": None,
 }  # fmt: skip
 
 WORKER = """
@@ -72,10 +73,13 @@ def main() -> None:
         try:
             for store in args.stores.split(","):
                 server = SERVER[store]
-                if server not in running:
-                    running[server] = SERVERS[server].start(Path(tmp) / server)
-                base = running[server].url
-                url = base if store == server else base.replace(f"{server}://", f"{store}://", 1)
+                if server is None:  # embedded: a file in the temporary directory
+                    url = f"sqlite:///{tmp}/headtohead.db"
+                else:
+                    if server not in running:
+                        running[server] = SERVERS[server].start(Path(tmp) / server)
+                    base = running[server].url
+                    url = base if store == server else base.replace(f"{server}://", f"{store}://", 1)
                 ratios = []
                 for i in range(args.pairs):
                     order = (args.old, args.new) if i % 2 == 0 else (args.new, args.old)
