@@ -79,7 +79,7 @@ def main() -> None:
                     if server not in running:
                         running[server] = SERVERS[server].start(Path(tmp) / server)
                     base = running[server].url
-                    url = base if store == server else base.replace(f"{server}://", f"{store}://", 1)
+                    url = base.replace(f"{server}://", f"{store}://", 1)
                 ratios = []
                 for i in range(args.pairs):
                     order = (args.old, args.new) if i % 2 == 0 else (args.new, args.old)

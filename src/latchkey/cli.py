@@ -1,8 +1,9 @@
 """The ``latchkey`` command: run a command under a lock, inspect and operate the store.
 
 Exit codes follow sysexits: 0 ok (``run``: the command's own status), 69 store unavailable,
-70 internal error, 75 busy, 78 bad URL, option, duration or name; a command killed by signal N
-gives 128+N, a command that cannot be started 127.
+70 internal error, 75 busy, 78 bad URL, option, duration or name; ``run`` exits 79 when the
+lease was lost while the command ran (even if the command succeeded: two copies may have
+overlapped); a command killed by signal N gives 128+N, a command that cannot be started 127.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from latchkey.errors import (
 )
 
 EX_OK, EX_USAGE, EX_UNAVAILABLE, EX_SOFTWARE, EX_TEMPFAIL, EX_CONFIG = 0, 64, 69, 70, 75, 78
+#: ``run``: the lease was lost while the command ran (not a sysexits code: none means this).
+EX_LOST = 79
 FORWARDED = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -81,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--skip-busy", action="store_true", help="busy: exit 0 silently (cron)")
     run.add_argument(
         "--kill-on-lost", action="store_true", help="terminate CMD if the lease is lost"
+    )
+    run.add_argument(
+        "--kill-after",
+        default="10s",
+        help="after terminating CMD (--kill-on-lost), SIGKILL it if still running (10s)",
     )
     run.add_argument("cmd", nargs="*", metavar="-- CMD ARGS", help="the command, after --")
 
@@ -163,6 +171,7 @@ def cmd_run(args: argparse.Namespace, store: Store) -> int:
     ttl = parse_ttl(args.ttl, what="--ttl")
     wait = parse_wait(args.wait, what="--wait")
     at_least = parse_duration(args.at_least, what="--at-least")
+    kill_after = parse_duration(args.kill_after, what="--kill-after")
     if args.limit < 1:
         raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
     metadata = {"command": shlex.join(cmd)[:200]}
@@ -189,9 +198,19 @@ def cmd_run(args: argparse.Namespace, store: Store) -> int:
         lock.release()
         return _fail(127, f"cannot run {cmd[0]!r}: {exc.strerror or exc}")
     with _forward_signals(child):
-        status = _supervise(child, lock, args.kill_on_lost)
-    _finish(lock, at_least - (time.monotonic() - started))
-    return status if status >= 0 else 128 - status
+        status = _supervise(child, lock, args.kill_on_lost, kill_after)
+    lost = lock.lost
+    if not _finish(lock, at_least - (time.monotonic() - started)) and not lost:
+        lost = True  # the release found the lease already gone: it ended while CMD ran
+        print(f"latchkey: the lock {args.name!r} had ended before the command did", file=sys.stderr)
+    status = status if status >= 0 else 128 - status
+    if lost:
+        message = (
+            f"lost the lock {args.name!r} while the command ran (the command exited "
+            f"{status}); another copy may have run at the same time"
+        )
+        return _fail(EX_LOST, message)
+    return status
 
 
 def _holder_text(lock: Lock, store: Store) -> str:
@@ -229,8 +248,11 @@ def _in_terminal_foreground() -> bool:
         return False
 
 
-def _supervise(child: subprocess.Popen[bytes], lock: Lock, kill_on_lost: bool) -> int:
-    """Wait for the command; report a lost lease once (and stop the command if asked)."""
+def _supervise(
+    child: subprocess.Popen[bytes], lock: Lock, kill_on_lost: bool, kill_after: float
+) -> int:
+    """Wait for the command; report a lost lease once (and stop the command if asked: SIGTERM,
+    then SIGKILL after ``kill_after`` seconds if it is still running)."""
     reported = False
     killed_at: float | None = None
     while True:
@@ -248,17 +270,20 @@ def _supervise(child: subprocess.Popen[bytes], lock: Lock, kill_on_lost: bool) -
             if kill_on_lost:
                 child.terminate()
                 killed_at = time.monotonic()
-        if killed_at is not None and time.monotonic() - killed_at > 10:
+        if killed_at is not None and time.monotonic() - killed_at >= kill_after:
             child.kill()
             killed_at = None
 
 
-def _finish(lock: Lock, keep: float) -> None:
-    """Release, or keep the lease for the rest of ``--at-least`` and then let it expire."""
+def _finish(lock: Lock, keep: float) -> bool:
+    """Release, or keep the lease for the rest of ``--at-least`` and then let it expire.
+    False if the store said the lease had already ended; True otherwise (also when the store
+    could not be asked: that is reported, and is not proof of a loss)."""
     try:
-        lock._finish(keep)
+        return lock._finish(keep)
     except LatchkeyError as exc:
         print(f"latchkey: could not release {lock.name!r}: {exc}", file=sys.stderr)
+        return True
 
 
 # -- inspection ----------------------------------------------------------------------------------

@@ -183,8 +183,49 @@ def test_kill_on_lost(env: dict[str, str], tmp_path: Path) -> None:
     eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="command started")
     assert latchkey(env, "release", "lossy", "--force").returncode == 0
     _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 128 + signal.SIGTERM
-    assert "lost the lock" in stderr
+    assert proc.returncode == 79  # lost: whatever the command's status (here SIGTERM's)
+    assert "lost the lock" in stderr and f"exited {128 + signal.SIGTERM}" in stderr
+
+
+def test_a_lost_lease_fails_the_run_even_if_the_command_succeeds(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    script = f"touch {tmp_path}/started; while [ ! -e {tmp_path}/stop ]; do sleep 0.02; done"
+    proc = subprocess.Popen(
+        [*LATCHKEY, "run", "cronjob", "--ttl", "1s", "--", "sh", "-c", script],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="command started")
+    assert latchkey(env, "release", "cronjob", "--force").returncode == 0
+    (tmp_path / "stop").touch()
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 79, stderr
+    assert "lost the lock 'cronjob'" in stderr and "exited 0" in stderr
+
+
+def test_kill_after_sigkills_a_command_that_ignores_sigterm(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    script = f'trap "" TERM; touch {tmp_path}/started; while true; do sleep 0.02; done'
+    args = ["--ttl", "1s", "--kill-on-lost", "--kill-after", "500ms"]
+    proc = subprocess.Popen(
+        [*LATCHKEY, "run", "stubborn", *args, "--", "sh", "-c", script],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    eventually(lambda: (tmp_path / "started").exists(), timeout=30, what="command started")
+    assert latchkey(env, "release", "stubborn", "--force").returncode == 0
+    _, stderr = proc.communicate(timeout=30)  # ends only because SIGKILL followed SIGTERM
+    assert proc.returncode == 79
+    assert f"exited {128 + signal.SIGKILL}" in stderr
+
+
+def test_kill_after_takes_a_duration(env: dict[str, str]) -> None:
+    result = latchkey(env, "run", "x", "--kill-after", "soon", "--", "true")
+    assert result.returncode == 78 and "--kill-after" in result.stderr
 
 
 def test_missing_command_exits_127(env: dict[str, str]) -> None:

@@ -136,3 +136,25 @@ def test_renewal_is_a_task_and_keeps_the_lease(store_url: str, name: str) -> Non
         assert await lock.release()
 
     _run(store_url, body)
+
+
+def test_an_async_on_lost_callback_is_awaited(store_url: str, name: str) -> None:
+    async def body(store: latchkey.AsyncStore) -> None:
+        if not store.capabilities.force_release:
+            pytest.skip(f"{store.scheme} store declares no force_release (capabilities)")
+        told = asyncio.Event()
+        seen: list[object] = []
+
+        async def alert(lock: object) -> None:
+            await asyncio.sleep(0)  # a coroutine: awaited in the loop, not just created
+            seen.append(lock)
+            told.set()
+
+        lock = store.lock(name, ttl="600ms", renew=True, on_lost=alert)
+        assert await lock.acquire()
+        assert await store.force_release(name)
+        await asyncio.wait_for(told.wait(), 20)
+        assert seen == [lock] and lock.lost
+        assert await lock.release() is False
+
+    _run(store_url, body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -11,7 +12,7 @@ from datetime import datetime
 import pytest
 
 import latchkey
-from latchkey import InvalidName, LatchkeyError, LockLost, LockTimeout
+from latchkey import InvalidName, InvalidValue, LatchkeyError, LockLost, LockTimeout
 from tests.helpers import HOSTILE_NAMES, eventually
 
 
@@ -220,6 +221,36 @@ def test_renewal_failure_marks_the_lock_lost(store: latchkey.Store, name: str) -
     with pytest.raises(LockLost):
         lock.check()
     assert lock.release() is False
+
+
+@pytest.mark.requires("force_release")
+def test_a_lost_lease_calls_on_lost_once_and_logs_a_warning(
+    store: latchkey.Store, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[object] = []
+    lock = store.lock(name, ttl="600ms", renew=True, on_lost=calls.append)
+    lock.acquire()
+    token = lock.token
+    with caplog.at_level(logging.WARNING, logger="latchkey"):
+        assert store.force_release(name) is True
+        eventually(lambda: calls, what="on_lost called by the renewer")
+        with pytest.raises(LockLost):
+            lock.extend()  # learns the loss again: no second call, no second warning
+    assert len(calls) == 1 and calls[0] is not None and lock.lost
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lost" in r.message]
+    assert len(warnings) == 1, [r.message for r in warnings]
+    assert name in warnings[0].message and f"token {token}" in warnings[0].message
+    assert lock.release() is False
+    # A new lease of the same object is watched again.
+    assert lock.acquire()
+    assert store.force_release(name) is True
+    eventually(lambda: len(calls) == 2, what="on_lost for the second lease")
+    lock.release()
+
+
+def test_on_lost_must_be_callable(store: latchkey.Store, name: str) -> None:
+    with pytest.raises(InvalidValue, match="on_lost"):
+        store.lock(name, on_lost="alert")  # type: ignore[arg-type]
 
 
 def test_blocking_wait_is_woken_by_release(store: latchkey.Store, name: str) -> None:

@@ -13,11 +13,11 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from latchkey._core.ops import CALL, Steps, call, renew, unrenew
+from latchkey._core.ops import CALL, Steps, call, renew, unrenew, user
 from latchkey._core.waiting import Attempts, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
 from latchkey._owner import current_owner_json, new_owner_token
@@ -64,6 +64,7 @@ class LeaseCore:
         renew: bool,
         metadata: Mapping[str, Any],
         limit: int = 1,
+        on_lost: Callable[[Any], Any] | None = None,
     ) -> None:
         #: The Store (or AsyncStore) that made this lease.
         self.store = store
@@ -76,6 +77,7 @@ class LeaseCore:
         self.metadata = dict(metadata)
         self._metadata_json = json.dumps(self.metadata, sort_keys=True) if self.metadata else ""
         self.limit = limit
+        self.on_lost = on_lost
         #: Fencing token of the current lease (None when not held or the store has no fencing).
         self.token: int | None = None
         #: When the current lease ends by the store's clock (None: not held, or no TTL).
@@ -85,6 +87,7 @@ class LeaseCore:
         self._owner: str | None = None
         self._deadline: float | None = None
         self._lost_reason: str | None = None
+        self._lost_told = False  # the loss of the current lease was logged and on_lost called
         #: The shell's renewer (a thread or a task) while one runs; see ops.RENEW.
         self._renewer: Any = None
         self._state = threading.Lock()
@@ -162,6 +165,7 @@ class LeaseCore:
         with self._state:
             self._owner = owner
             self._lost_reason = None
+            self._lost_told = False
             self.holder = None
             self._granted(result, sent, self.ttl)
         if self.renew:
@@ -180,19 +184,22 @@ class LeaseCore:
             self._forget()
 
     def _extend(self, ttl: Duration | None = None) -> Steps[None]:
+        if self._owner is not None and self.lost:
+            yield from self._lose(self._lost_reason or "lease expired")
         self.check()
         ttl_s = self.ttl if ttl is None else parse_ttl(ttl)
         sent = time.monotonic()
         assert self._owner is not None
         grant = yield call("extend", self.name, self._owner, ttl_s)
+        if grant is None:
+            reason = (
+                "the store no longer has our lease (its session ended)"
+                if self._caps.session_tied
+                else "the store no longer has our lease (expired or released)"
+            )
+            yield from self._lose(reason)
+            raise LockLost(f"{self.kind} {self.name!r} was lost: {reason}")
         with self._state:
-            if grant is None:
-                self._lost_reason = (
-                    "the store no longer has our lease (its session ended)"
-                    if self._caps.session_tied
-                    else "the store no longer has our lease (expired or released)"
-                )
-                raise LockLost(f"{self.kind} {self.name!r} was lost: {self._lost_reason}")
             self._granted(grant, sent, ttl_s)
 
     def _end(self, keep: float) -> Steps[bool]:
@@ -219,13 +226,13 @@ class LeaseCore:
             yield from self._extend()
             return self.ttl / 3
         except LockLost as exc:
-            self._mark_lost(str(exc))
+            yield from self._lose(str(exc))
             return None
         except LatchkeyError as exc:  # StoreUnavailable and the like: retry while time is left
             left = self.remaining()
             left = float("inf") if left is None else left
             if left <= 0:
-                self._mark_lost(f"could not renew before the lease ended: {exc}")
+                yield from self._lose(f"could not renew before the lease ended: {exc}")
                 return None
             log.warning("renewing %r failed, retrying: %s", self.name, exc)
             return min(self.ttl / 3, max(left / 4, 0.05))
@@ -253,6 +260,26 @@ class LeaseCore:
         with self._state:
             if self._owner is not None and self._lost_reason is None:
                 self._lost_reason = reason
+
+    def _lose(self, reason: str) -> Steps[None]:
+        """The lease is known lost: mark it, log a WARNING (name, token, reason) and call
+        ``on_lost(self)`` — once per lease, whoever learns it first (renewer or extend). An
+        error raised by the callback is logged, never passed on to the renewer."""
+        self._mark_lost(reason)
+        with self._state:
+            if self._owner is None or self._lost_told:
+                return
+            self._lost_told = True
+            reason = self._lost_reason or reason
+        log.warning(
+            "%s %r lost (token %s): %s", self.kind, self.name, self.token, reason,
+            extra={"latchkey_name": self.name, "latchkey_token": self.token},
+        )  # fmt: skip
+        if self.on_lost is not None:
+            try:
+                yield user(self.on_lost, self)
+            except Exception:
+                log.exception("on_lost callback of %s %r failed", self.kind, self.name)
 
     def _timeout_error(self, wait: float | None) -> LockTimeout:
         waited = "" if not wait else f" after waiting {format_duration(wait)}"

@@ -18,7 +18,7 @@ from latchkey._core.ops import Steps, call, user
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._names import validate_name
 from latchkey._owner import check_metadata
-from latchkey.errors import ConfigError, LockLost, Unsupported
+from latchkey.errors import ConfigError, InvalidValue, LockLost, Unsupported
 from latchkey.stores.base import BackendBase, Capabilities
 
 if TYPE_CHECKING:
@@ -30,6 +30,13 @@ log = logging.getLogger("latchkey")
 
 #: The lease length when ``ttl=`` is not given.
 DEFAULT_TTL = 60.0
+
+
+def check_callback(fn: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """``on_lost`` must be callable (or None): said at once, not when the lease is lost."""
+    if fn is not None and not callable(fn):
+        raise InvalidValue(f"on_lost must be a function taking the lock, got {fn!r}")
+    return fn
 
 
 def check_limit(limit: object) -> int:
@@ -101,10 +108,13 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
         wait: Duration | None = None,
         renew: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        on_lost: Callable[[Any], Any] | None = None,
     ) -> LockT:
         """A leased mutex on ``name``. ``wait=None`` waits without limit, ``wait=0`` tries
         once; ``renew=True`` keeps the lease alive in the background (a thread, or a task of
-        the running loop)."""
+        the running loop). ``on_lost(lock)`` is called once when the lease is known lost (the
+        renewer or an extend found it gone, or renewing failed until it ended); a coroutine
+        function is awaited on the asyncio API."""
         return self._lock_class(
             self,
             validate_name(name),
@@ -112,6 +122,7 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
             wait=wait,
             renew=renew,
             metadata=check_metadata(metadata),
+            on_lost=check_callback(on_lost),
         )
 
     def semaphore(
@@ -123,8 +134,10 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
         wait: Duration | None = None,
         renew: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        on_lost: Callable[[Any], Any] | None = None,
     ) -> SemaphoreT:
-        """A counting semaphore: at most ``limit`` holders of ``name`` at once."""
+        """A counting semaphore: at most ``limit`` holders of ``name`` at once (``on_lost``:
+        as for :meth:`lock`, called with this slot)."""
         limit = self._semaphore_limit(limit)
         return self._semaphore_class(
             self,
@@ -134,6 +147,7 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
             renew=renew,
             metadata=check_metadata(metadata),
             limit=limit,
+            on_lost=check_callback(on_lost),
         )
 
     def claim(
