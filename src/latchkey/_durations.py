@@ -45,6 +45,8 @@ def _parse_text(text: str, what: str) -> float:
     raw = text.strip().lower()
     if not raw:
         raise ConfigError(f"{what}: empty duration")
+    if raw.startswith("-"):
+        raise ConfigError(f"{what}: {text!r} is negative; a duration is 0 or more (e.g. 5s)")
     try:
         return float(raw)
     except ValueError:

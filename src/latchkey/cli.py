@@ -23,9 +23,10 @@ from typing import Any, NoReturn
 
 from latchkey import __version__
 from latchkey._durations import format_duration, parse_duration, parse_ttl, parse_wait
-from latchkey._lock import Lock, describe_holder
+from latchkey._lock import Lock
 from latchkey._store import Store, connect
 from latchkey._types import LockInfo
+from latchkey._url import StoreURL
 from latchkey.errors import (
     ConfigError,
     InvalidName,
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--" in words:  # everything after the first -- is the command, options included
         at = words.index("--")
         words, command = words[:at], words[at + 1 :]
-    args = parser.parse_args(words)
+    args = parser.parse_args(_glue_values(words))
     if args.command == "run":
         if args.cmd:
             return _fail(
@@ -147,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, InvalidName) as exc:
         return _fail(EX_CONFIG, str(exc))
     except StoreUnavailable as exc:
+        if args.command == "check" and args.json:  # scripts read stdout: say it there too
+            print(json.dumps({"url": _redacted_url(args), "ok": False, "error": str(exc)}))
         return _fail(EX_UNAVAILABLE, str(exc))
     except Unsupported as exc:  # the store chosen by the URL cannot do this: a config matter
         return _fail(EX_CONFIG, str(exc))
@@ -154,6 +157,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EX_SOFTWARE, str(exc))
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+
+
+#: Options whose value may start with "-" (a negative duration gets a message about the
+#: duration, not argparse's "expected one argument").
+_VALUE_OPTIONS = ("--ttl", "--wait", "--at-least", "--kill-after", "--prefix")
+
+
+def _glue_values(words: list[str]) -> list[str]:
+    """``--ttl -5s`` → ``--ttl=-5s``, so that the duration parser judges the value."""
+    out: list[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        following = words[i + 1] if i + 1 < len(words) else None
+        if word in _VALUE_OPTIONS and following is not None and following.startswith("-"):
+            out.append(f"{word}={following}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def _redacted_url(args: argparse.Namespace) -> str | None:
+    url = getattr(args, "url", None) or os.environ.get("LATCHKEY_URL")
+    if not url:
+        return None
+    try:
+        return StoreURL.parse(url).redacted()
+    except ConfigError:
+        return None
 
 
 def _fail(code: int, message: str) -> int:
@@ -214,7 +248,7 @@ def cmd_run(args: argparse.Namespace, store: Store) -> int:
 
 
 def _holder_text(lock: Lock, store: Store) -> str:
-    text = describe_holder(lock.holder)
+    text = lock._busy_text()
     if lock.holder is not None and lock.holder.expires_at is not None:
         with contextlib.suppress(LatchkeyError):
             left = (lock.holder.expires_at - store.now()).total_seconds()

@@ -158,7 +158,9 @@ def test_limit_makes_a_semaphore(env: dict[str, str], tmp_path: Path) -> None:
         for _ in range(2)
     ]
     eventually(lambda: len(list(tmp_path.glob("in.*"))) == 2, timeout=30, what="two holders")
-    assert latchkey(env, "run", "pool", "--limit", "2", "--", "true").returncode == 75
+    busy = latchkey(env, "run", "pool", "--limit", "2", "--", "true")
+    assert busy.returncode == 75
+    assert "all 2 slots taken; the soonest to end: held by" in busy.stderr, busy.stderr
     (tmp_path / "stop").touch()
     assert [p.wait(timeout=30) for p in procs] == [0, 0]
 
@@ -221,6 +223,23 @@ def test_kill_after_sigkills_a_command_that_ignores_sigterm(
     _, stderr = proc.communicate(timeout=30)  # ends only because SIGKILL followed SIGTERM
     assert proc.returncode == 79
     assert f"exited {128 + signal.SIGKILL}" in stderr
+
+
+@pytest.mark.parametrize("option", ["--ttl", "--wait", "--at-least", "--kill-after"])
+def test_a_negative_duration_is_named(env: dict[str, str], option: str) -> None:
+    result = latchkey(env, "run", "x", option, "-5s", "--", "true")
+    assert result.returncode == 78
+    assert f"{option}: '-5s' is negative" in result.stderr, result.stderr
+
+
+def test_check_json_says_unreachable_on_stdout(env: dict[str, str]) -> None:
+    url = "postgresql://app:s3cret@127.0.0.1:1/db?timeout=1s"
+    result = latchkey({**env, "LATCHKEY_URL": url}, "check", "--json")
+    assert result.returncode == 69
+    data = json.loads(result.stdout)
+    assert data["ok"] is False and "s3cret" not in result.stdout + result.stderr
+    assert data["url"] == "postgresql://app:***@127.0.0.1:1/db?timeout=1s"
+    assert "unavailable" in data["error"] or "failed" in data["error"]
 
 
 def test_kill_after_takes_a_duration(env: dict[str, str]) -> None:

@@ -281,10 +281,20 @@ class LeaseCore:
             except Exception:
                 log.exception("on_lost callback of %s %r failed", self.kind, self.name)
 
+    def _busy_text(self) -> str:
+        """Who keeps the name busy, as the last failed acquire saw it (for messages): for a
+        semaphore, "all N slots taken; the soonest to end: held by …"."""
+        if self.limit > 1:
+            slots = f"all {self.limit} slots taken"
+            if self.holder is None:
+                return slots
+            return f"{slots}; the soonest to end: {describe_holder(self.holder)}"
+        return describe_holder(self.holder)
+
     def _timeout_error(self, wait: float | None) -> LockTimeout:
         waited = "" if not wait else f" after waiting {format_duration(wait)}"
         return LockTimeout(
-            f"{self.kind} {self.name!r} is busy{waited}: {describe_holder(self.holder)}",
+            f"{self.kind} {self.name!r} is busy{waited}: {self._busy_text()}",
             name=self.name,
             holder=self.holder,
         )
