@@ -194,8 +194,9 @@ def test_names_and_owners_are_escaped_for_the_sessions_sql_mode(backend: MySQLBa
     for mode in ("STRICT_ALL_TABLES", "STRICT_ALL_TABLES,NO_BACKSLASH_ESCAPES"):
         backend.close()  # the pool's connections closed: the next call opens one
         backend.init()  # a new connection, set as a server whose sql_mode is ``mode`` would
-        with backend.io.pool.connection(5) as pooled:  # that one: the pool reuses it next
-            pooled.cur.execute("SET SESSION sql_mode = %s", (mode,))
+        pooled = backend.io.pool.get(5)  # that one: the pool gives it out again next
+        pooled.cur.execute("SET SESSION sql_mode = %s", (mode,))
+        backend.io.pool.put(pooled)
         for name in HOSTILE_NAMES:
             owner = f"{_owner()[:30]}\\'"  # ours are hex, but the path must not care
             info = '{"host": "it\'s \\\\ h", "pid": 1}'
@@ -293,8 +294,9 @@ def test_mariadb_runs_the_hot_statements_prepared(backend: MySQLBackend, table_u
             assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
             assert busy.holder.token == first.token and busy.holder.owner.host == "h"
             assert 29 < (busy.retry_after or 0) <= 30
-            with backend.io.pool.connection(5) as pooled:  # the one connection in use
-                thread_id = pooled.conn.thread_id()
+            pooled = backend.io.pool.get(5)  # the one connection in use
+            backend.io.pool.put(pooled)
+            thread_id = pooled.conn.thread_id()
             cur.execute("KILL CONNECTION %s", (thread_id,))
         time.sleep(0.2)
         assert backend.release("prepared", owner) is True  # a new connection, prepared again

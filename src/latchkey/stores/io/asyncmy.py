@@ -11,7 +11,7 @@ with PyMySQL ≥ 1.2 (it imports ``escape_bytes_prefixed``, which PyMySQL 1.2 tu
 placeholder string) and turns server notes into Python warnings. asyncmy's own
 ``read_timeout`` is not used: it wraps every packet read in ``wait_for`` (~250 µs a pair); one
 ``asyncio.timeout`` per primitive (:func:`~latchkey.stores.io.aio.bounded`) bounds the whole
-exchange instead, waiting for a pooled connection included.
+exchange instead.
 
 Connections: an :class:`~latchkey.stores.io.aio.AsyncPool` (at most ``POOL_SIZE``), each with
 its cursor and the store's ``setup()`` run on it. A connection that failed, timed out or was
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncmy
@@ -97,13 +98,6 @@ class Connection:
                 raise Refused(exc.args[0], str(exc.args[-1])) from exc
             raise
 
-    async def alive(self) -> bool:
-        try:
-            await self.conn.ping(reconnect=False)
-        except ASYNC_DRIVER_ERRORS:
-            return False
-        return True
-
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.close()
@@ -118,13 +112,16 @@ class AsyncmyDriver(AsyncDriver):
         self.pool: AsyncPool[Connection] = AsyncPool(
             self._open,
             Connection.close,
-            alive=Connection.alive,
+            alive=self._alive,
             keep=lambda exc: isinstance(exc, Refused),
             size=POOL_SIZE,
             check_after=IDLE_PING,
         )
 
     async def _open(self) -> Connection:
+        return await bounded(self._connect(), self.backend.timeout)
+
+    async def _connect(self) -> Connection:
         conn = await asyncmy.connect(**self.connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
         try:
             pooled = Connection(conn)
@@ -136,18 +133,25 @@ class AsyncmyDriver(AsyncDriver):
             raise
         return pooled
 
+    async def _alive(self, pooled: Connection) -> bool:
+        try:
+            await bounded(pooled.conn.ping(reconnect=False), self.backend.timeout)
+        except ASYNC_DRIVER_ERRORS:
+            return False
+        return True
+
     async def answer(self, request: Any) -> Any:  # pragma: no cover - run() answers
         raise NotImplementedError
 
-    async def _run(self, steps: Steps[T]) -> T:
-        async with self.pool.connection(self.backend.timeout) as pooled:
-            return await adrive(steps, pooled.answer)
-
     async def run(self, steps: Steps[T], action: str) -> T:
-        """The primitive on one pooled connection (connected before the primitive starts),
-        the whole of it bounded by the store's timeout."""
+        """The primitive on one pooled connection, connected before the primitive starts (so
+        it knows whether the server prepared its statements). Opening, the idle ping and the
+        primitive are each bounded by the store's timeout; the turn for a connection is not
+        (it waits behind this loop's other calls, each of them bounded): 1,000 coroutines
+        polling one name queue for 8 connections for longer than a timeout under load."""
         try:
-            return await bounded(self._run(steps), self.backend.timeout)
+            async with self.pool.connection(math.inf) as pooled:
+                return await bounded(adrive(steps, pooled.answer), self.backend.timeout)
         except StoreUnavailable:
             raise
         except self.errors as exc:
