@@ -94,9 +94,10 @@ class Connection:
         try:
             return await drain(self.cur, sql, params)
         except asyncmy.errors.MySQLError as exc:
-            if exc.args and exc.args[0] in REFUSED:
-                raise Refused(exc.args[0], str(exc.args[-1])) from exc
-            raise
+            refused = REFUSED.get(exc.args[0]) if exc.args else None
+            if refused is None:
+                raise
+            raise refused(*exc.args) from exc
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
