@@ -9,7 +9,9 @@ set's rows and the last statement's row count; a server error the store numbered
 ``REFUSED`` is raised into its primitive as :class:`~latchkey.stores.mysql.Refused` (the
 statement was rolled back, the connection is kept), any other error closes the connection and
 becomes StoreUnavailable. Every socket operation is bounded by the store's timeout (PyMySQL's
-connect, read and write timeouts); waiting for a pooled connection too.
+connect, read and write timeouts); waiting for a turn on a pooled connection is not (it waits
+behind this process's other calls, each of them bounded), as waiting for the one connection
+guarded by a lock was before.
 
 Idle connections the server ended (a restart, ``wait_timeout``, ``KILL``): PyMySQL has no
 public way to reach its socket, so :func:`connect` opens the socket itself and hands it to
@@ -144,7 +146,7 @@ class Connection:
 
 class LeanPool(Generic[C]):
     """:class:`latchkey.stores.io.Pool`'s contract — connections reused last-in first-out, at
-    most ``size`` open (callers queue for one, up to their timeout), ``alive(conn)`` asked
+    most ``size`` open (callers queue for one, up to a timeout if given), ``alive(conn)`` asked
     before each reuse, :meth:`close` closes the idle ones and those in use as they come back,
     never used across ``fork()`` — with a fast path that takes no lock: a free connection is
     taken with ``list.pop()`` and given back with ``list.append()`` (each atomic in CPython);
@@ -175,9 +177,9 @@ class LeanPool(Generic[C]):
     def forget_after_fork(self) -> None:
         self._reset()  # the parent's connections: neither used nor closed here
 
-    def get(self, timeout: float) -> C:
-        """A free connection that is still alive, or a new one; waits up to ``timeout``
-        while ``size`` are in use."""
+    def get(self, timeout: float | None = None) -> C:
+        """A free connection that is still alive, or a new one; while ``size`` are in use,
+        waits for one (up to ``timeout`` seconds if given)."""
         deadline = 0.0
         while True:
             try:
@@ -191,10 +193,14 @@ class LeanPool(Generic[C]):
                 continue
             with self._cond:
                 if self._count >= self.size and not self._idle:
-                    deadline = deadline or time.monotonic() + timeout
+                    if timeout is not None:
+                        deadline = deadline or time.monotonic() + timeout
                     self._waiting += 1
                     try:
                         while self._count >= self.size and not self._idle:
+                            if timeout is None:
+                                self._cond.wait()
+                                continue
                             left = deadline - time.monotonic()
                             if left <= 0 or not self._cond.wait(left):
                                 raise TimeoutError(f"no free connection within {timeout:g}s")
@@ -274,7 +280,7 @@ class PyMySQLDriver(Driver):
         it knows whether the server prepared its statements)."""
         pool = self.pool
         try:
-            pooled = pool.get(self.backend.timeout)
+            pooled = pool.get()
             try:
                 result = drive(steps, pooled.answer)
             except Refused:  # rolled back: the connection is fine
