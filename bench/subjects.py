@@ -519,10 +519,17 @@ class RawMySameSQL:
         self.cur = self.conn.cursor()
         if "mariadb" not in str(self.conn.get_server_info()).lower():
             raise RuntimeError("raw-same-sql mirrors latchkey's MariaDB path only")
-        sql = {k: v.replace("{t}", "bench_same_sql") for k, v in mysql._STATEMENTS.items()}
-        mysql._drain(self.cur, mysql.PREPARE, (sql["acquire_returning"], sql["release_prepared"]))
+        texts = [
+            t.replace("{t}", "bench_same_sql")
+            for t in (mysql.ACQUIRE_RETURNING, mysql.RELEASE_PREPARED)
+        ]
+        self.cur.execute(mysql.PREPARE, texts)
+        while self.cur.nextset():
+            pass
         self.info = Owner.current().to_json()
-        self.execute_acquire = mysql.EXECUTE_ACQUIRE
+        self.execute_acquire = (
+            "EXECUTE latchkey_acquire USING %(name)s, %(owner)s, %(info)s, %(ttl_us)s, %(owner)s"
+        )
 
     def take(self, name: str, owner: str) -> bool:
         params = {"name": name.encode(), "owner": owner, "info": self.info, "ttl_us": 30_000_000}

@@ -25,8 +25,8 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.mysql import MySQLBackend, server_hung_up
-from latchkey.stores.mysql_async import AsyncMySQLBackend
+from latchkey.stores.io.pymysql import LeanPool, server_hung_up
+from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend, connect_args
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
     WAIT_LOCK,
@@ -91,7 +91,7 @@ def getlock(base: str) -> Iterator[GetLockBackend]:
 def _root(url: str) -> pymysql.connections.Connection:
     b = open_backend(url)
     assert isinstance(b, MySQLBackend)
-    return pymysql.connect(**b._connect_args)
+    return pymysql.connect(**connect_args(b))
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +141,14 @@ def test_tables_and_names_as_utf8_bytes(backend: MySQLBackend, table_url: str) -
     conn = _root(table_url)
     try:
         with conn.cursor() as cur:
-            cur.execute(f"SELECT name, slot, token FROM {backend.table}")
+            cur.execute(f"SELECT name, slot, token FROM {backend.store.table}")
             assert cur.fetchall() == (("ünï\x00".encode(), 0, grant.token),)
-            cur.execute(f"SELECT k, v FROM {backend.table}_meta")
+            cur.execute(f"SELECT k, v FROM {backend.store.table}_meta")
             assert dict(cur.fetchall()) == {"schema_version": 1}
             cur.execute(
                 "SELECT table_name, engine FROM information_schema.tables "
                 "WHERE table_schema = DATABASE() AND table_name LIKE %s",
-                (backend.table + "%",),
+                (backend.store.table + "%",),
             )
             assert {row[1] for row in cur.fetchall()} == {"InnoDB"}
     finally:
@@ -192,10 +192,11 @@ def test_names_and_owners_are_escaped_for_the_sessions_sql_mode(backend: MySQLBa
     plain character and only quotes are doubled. Every statement, the hot EXECUTEs included,
     must follow the session's mode."""
     for mode in ("STRICT_ALL_TABLES", "STRICT_ALL_TABLES,NO_BACKSLASH_ESCAPES"):
-        backend._drop()
+        backend.close()  # the pool's connections closed: the next call opens one
         backend.init()  # a new connection, set as a server whose sql_mode is ``mode`` would
-        assert backend._cur is not None
-        backend._cur.execute("SET SESSION sql_mode = %s", (mode,))
+        pooled = backend.io.pool.get(5)  # that one: the pool gives it out again next
+        pooled.cur.execute("SET SESSION sql_mode = %s", (mode,))
+        backend.io.pool.put(pooled)
         for name in HOSTILE_NAMES:
             owner = f"{_owner()[:30]}\\'"  # ours are hex, but the path must not care
             info = '{"host": "it\'s \\\\ h", "pid": 1}'
@@ -285,7 +286,7 @@ def test_mariadb_runs_the_hot_statements_prepared(backend: MySQLBackend, table_u
             cur.execute("SELECT VERSION()")
             if "mariadb" not in str(cur.fetchone()[0]).lower():
                 pytest.skip("MySQL server: the statements are sent as text")
-            assert backend._sql["acquire"].startswith("EXECUTE latchkey_acquire")
+            assert backend.store.prepared  # acquire and release EXECUTE
             owner = _owner()
             first = backend.acquire("prepared", owner, INFO, 30)
             assert isinstance(first, Grant)
@@ -293,8 +294,10 @@ def test_mariadb_runs_the_hot_statements_prepared(backend: MySQLBackend, table_u
             assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
             assert busy.holder.token == first.token and busy.holder.owner.host == "h"
             assert 29 < (busy.retry_after or 0) <= 30
-            assert backend._conn is not None
-            cur.execute("KILL CONNECTION %s", (backend._conn.thread_id(),))
+            pooled = backend.io.pool.get(5)  # the one connection in use
+            backend.io.pool.put(pooled)
+            thread_id = pooled.conn.thread_id()
+            cur.execute("KILL CONNECTION %s", (thread_id,))
         time.sleep(0.2)
         assert backend.release("prepared", owner) is True  # a new connection, prepared again
         again = backend.acquire("prepared", owner, INFO, 30)
@@ -309,7 +312,7 @@ def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
     acquire is the upsert then a read of the name's live leases, in one round trip. MariaDB
     accepts those statements too, so they are checked here."""
     backend.init()
-    backend._sql = dict(backend._base_sql)  # what _cursor() sets up for a MySQL server
+    backend.store.prepared = False  # what setup() leaves for a MySQL server
     first, second = _owner(), _owner()
     grant = backend.acquire("text", first, INFO, 30)
     assert isinstance(grant, Grant) and grant.token is not None
@@ -324,6 +327,45 @@ def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
     taken = backend.acquire("text", first, INFO, 30)  # over the expired row
     assert isinstance(taken, Grant) and taken.token is not None and taken.token > short.token
     assert backend.release("text", second) is False
+
+
+def test_the_sync_pool_opens_at_most_its_size_and_queues_the_rest() -> None:
+    """The sync driver's pool (lock-free reuse): never more than ``size`` connections, never
+    one connection to two threads; a caller queues for one (up to its timeout, if any);
+    close() closes the idle ones and those in use as they come back."""
+    opened: list[object] = []
+    closed: list[object] = []
+    pool = LeanPool(lambda: opened.append(object()) or opened[-1], closed.append, bool, 3)
+    in_use: set[int] = set()
+    guard = threading.Lock()
+    shared: list[bool] = []
+
+    def worker() -> None:
+        for _ in range(200):
+            conn = pool.get()
+            with guard:
+                shared.append(id(conn) in in_use)
+                in_use.add(id(conn))
+            time.sleep(0.0001)
+            with guard:
+                in_use.discard(id(conn))
+            pool.put(conn)
+
+    threads = [threading.Thread(target=worker) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(opened) <= 3 and not any(shared)
+    held = [pool.get(), pool.get(), pool.get()]
+    with pytest.raises(TimeoutError):
+        pool.get(0.1)
+    pool.put(held.pop())
+    pool.close()
+    assert len(closed) == len(opened) - 2  # the idle ones
+    for conn in held:
+        pool.put(conn)  # opened before close(): closed now
+    assert sorted(map(id, closed)) == sorted(map(id, opened))
 
 
 def test_a_forked_child_uses_its_own_connection(backend: MySQLBackend) -> None:
@@ -547,9 +589,7 @@ def test_getlock_one_owner_cannot_use_anothers_lock_in_one_session(
     assert getlock.release("shared", first) is True
 
 
-def test_getlock_force_release_ends_the_holders_session(
-    getlock: GetLockBackend, base: str
-) -> None:
+def test_getlock_force_release_ends_the_holders_session(getlock: GetLockBackend, base: str) -> None:
     holder = open_backend(with_query(replace_scheme(base, "mysql+getlock"), prefix="t:"))
     owner = _owner()
     assert isinstance(holder.acquire("victim", owner, INFO, 1), Grant)
@@ -1047,7 +1087,7 @@ def test_async_cancelled_wait_leaves_nothing_held(table_url: str) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not backend._busy
+        assert not backend.io.pool._busy  # no connection left checked out
         info = await store.inspect(name)
         assert info is not None and [h.owner.host for h in info.holders] == ["h"]  # only INFO's
         assert holder.release(name, owner) is True
@@ -1084,11 +1124,12 @@ def test_async_cancelled_statement_discards_its_connection(base: str, table_url:
             )
         task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
         await _until(lambda: _inserting(root, table), "a row-lock wait")
-        (waiting,) = backend._busy
+        pool = backend.io.pool
+        (waiting,) = pool._busy  # id() of the connection in the row-lock wait
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not backend._busy and waiting not in backend._idle
+        assert not pool._busy and waiting not in [id(conn) for conn, _ in pool._idle]
         root.rollback()
         lock = store.lock(name, ttl="60s", wait=0)
         assert await lock.acquire() is True

@@ -50,8 +50,8 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "postgresql+advisory": _store(
         "pg_advisory", "AdvisoryBackend", "AsyncAdvisoryBackend", "postgresql"
     ),
-    "mysql": _store("mysql", "MySQLBackend", "AsyncMySQLBackend", "mysql"),
-    "mariadb": _store("mysql", "MySQLBackend", "AsyncMySQLBackend", "mysql"),
+    "mysql": _store("mysql", "MySQLBackend", ":AsyncMySQLBackend", "mysql"),
+    "mariadb": _store("mysql", "MySQLBackend", ":AsyncMySQLBackend", "mysql"),
     "mysql+getlock": _store("mysql_getlock", "GetLockBackend", "AsyncGetLockBackend", "mysql"),
     "redis": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),

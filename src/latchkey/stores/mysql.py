@@ -1,10 +1,10 @@
 """``mysql://user:pass@host:3306/database``: leases in an InnoDB table (MySQL 8, MariaDB ≥ 10.6).
 
 Also registered as ``mariadb://``. The lease table is the SQL design SQLite and PostgreSQL
-share: one row per lease slot keyed by (name, slot), with the owner token, the owner's JSON,
-the fencing token and the server-clock times (``UTC_TIMESTAMP(6)``). Names are stored as their
-UTF-8 bytes (``VARBINARY(255)``, compared bytewise), so any character, NUL included,
-round-trips.
+share (:mod:`latchkey.stores.sql`): one row per lease slot keyed by (name, slot), with the
+owner token, the owner's JSON, the fencing token and the server-clock times
+(``UTC_TIMESTAMP(6)``). Names are stored as their UTF-8 bytes (``VARBINARY(255)``, compared
+bytewise), so any character, NUL included, round-trips.
 
 Every primitive is one round trip, and acquire is one autocommitted statement: an ``INSERT … ON
 DUPLICATE KEY UPDATE`` whose every assignment is conditional on the old lease having expired; on
@@ -13,46 +13,55 @@ per connection (acquire and release are then short ``EXECUTE`` statements); on M
 followed, in the same multi-statement query, by a plain read of the name's live leases. Either
 tells whether we won and, if not, who holds it until when. The row's X lock makes concurrent
 takers of one slot queue; the second sees the first's live lease and changes nothing, so two
-owners never hold one slot whatever the isolation level (REPEATABLE READ, the server default, is
-fine). A deadlock or lock-wait timeout is reported as a lost race (``Busy`` with fewer holders
-than the limit), so the core retries at once.
+owners never hold one slot whatever the isolation level (REPEATABLE READ, the default, is
+fine). A deadlock or lock-wait timeout (the driver raises :class:`Contended` into the
+primitive) is a lost race (``Busy`` with fewer holders than the limit): the core retries at once.
 
 Fencing tokens are the lease table's ``AUTO_INCREMENT`` column: the upsert draws a fresh value
 for every row it inserts and copies it (``VALUES(token)``) into every row it takes over, so a
 grant needs no second statement. InnoDB keeps that counter across DELETE, purge and restart on
-MySQL 8 and MariaDB ≥ 10.2.4 (older servers reset it to ``MAX(token) + 1`` at restart), values
-are never reused, and a grant's value is drawn while it waits for the row, after the previous
-holder's, so tokens increase per name (and across a semaphore's slots) in grant order.
+MySQL 8 and MariaDB ≥ 10.2.4, values are never reused, and a grant's value is drawn while it
+waits for the row, after the previous holder's, so tokens increase per name (and across a
+semaphore's slots) in grant order.
 
-Options: ``?table=`` (default ``latchkey_locks``), ``?timeout=`` (connect/read/write, default
-5 s). The driver is PyMySQL (pure Python): see docs/stores/mysql.md for why.
+Options: ``?table=``, ``?timeout=`` (connect/read/write, default 5 s). Drivers, imported only
+by the API that uses them: PyMySQL (:mod:`latchkey.stores.io.pymysql`; docs/stores/mysql.md
+says why) and asyncmy (:mod:`latchkey.stores.io.asyncmy`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import select
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-import pymysql
-from pymysql.constants import CLIENT
-
 from latchkey._owner import Owner
-from latchkey._types import Busy, Grant, Holder, LockInfo
-from latchkey._url import Option, StoreURL, identifier
+from latchkey._types import Busy, Grant, Holder
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Backend, BackendBase, Capabilities, group_by_name
+from latchkey.stores.base import BackendBase
+from latchkey.stores.io import Steps
+from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
 DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
-#: Errors a statement can hit under contention: it is rolled back; the connection is fine.
-CONTENTION = (DEADLOCK, LOCK_WAIT_TIMEOUT)
-DRIVER_ERRORS = (pymysql.err.MySQLError, OSError)
+
+
+class Refused(Exception):
+    """The server refused a statement and rolled it back (the connection is fine): raised by
+    the driver into the primitive, as ``REFUSED`` maps the error's number; the store decides."""
+
+
+class Contended(Refused):
+    """A deadlock or a lock-wait timeout: a lost race, the core retries."""
+
+
+class Duplicate(Refused):
+    """A duplicate key: the row was created first by another."""
+
+
+REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
 
 # {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
 # make that safe when many processes start at once.
@@ -125,7 +134,7 @@ ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 
 # Mutex acquire on MariaDB (≥ 10.5 has INSERT … RETURNING): the same upsert returns the row as
 # it now stands, ours (taken) or the live holder's (busy: a mutex has one), so the read-back
-# statement and its result set are saved. Prepared once per connection (PREPARED below): the
+# statement and its result set are saved. Prepared once per connection (PREPARE below): the
 # server then parses only the short EXECUTE, not this text, at each acquire. In (?): name,
 # owner, info, ttl_us, owner. Out: one row, LEASE_TEXT.
 ACQUIRE_RETURNING = f"""
@@ -220,24 +229,20 @@ RECORD_DELETE = "DELETE FROM {t}_records WHERE name = %s AND version = %s"
 SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
 
 # MariaDB: the hot statements, prepared at connect (names are per session). MariaDB's EXECUTE
-# takes literal values (MySQL's only user variables), which PyMySQL escapes as it does any
+# takes literal values (MySQL's only user variables), which the driver escapes as it does any
 # parameter. The prepared text is itself a parameter of PREPARE. In: the two statement texts.
 PREPARE = "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s"
-# In: name, owner, info, ttl_us (ACQUIRE's parameters, in ACQUIRE_RETURNING's order).
-EXECUTE_ACQUIRE = (
-    "EXECUTE latchkey_acquire USING %(name)s, %(owner)s, %(info)s, %(ttl_us)s, %(owner)s"
-)
+# Positional parameters (a tuple is escaped with less work than a dict). In: name, owner,
+# info, ttl_us, owner.
+EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
 # In: name, owner.
 EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
-# EXECUTE_ACQUIRE with positional parameters, once the connection is known to be MariaDB's
-# (a tuple is escaped with less work than a dict). In: name, owner, info, ttl_us, owner.
-EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
 
 
 def connect_args(backend: BackendBase) -> dict[str, Any]:
-    """PyMySQL connect() arguments for a store URL (shared with the GET_LOCK store and the
-    asyncio backends, which drop the read and write timeouts)."""
-    url = backend.url
+    """PyMySQL's connect() arguments for a store URL (asyncmy's but the read and write
+    timeouts; shared with the GET_LOCK store)."""
+    url, timeout = backend.url, backend.timeout
     if len(url.hosts) > 1:
         raise ConfigError(f"{url.scheme} store: one host only, got {len(url.hosts)}")
     database = url.path.lstrip("/")
@@ -246,160 +251,68 @@ def connect_args(backend: BackendBase) -> dict[str, Any]:
             f"{url.scheme} store URL {url.redacted()!r} names no database "
             f"({url.scheme}://user:password@host:3306/database)"
         )
-    return {
-        "host": url.host or "localhost",
-        "port": url.port or 3306,
-        "user": url.username or "root",
-        "password": url.password or "",
-        "database": database,
-        "charset": "utf8mb4",
-        "autocommit": True,
-        "connect_timeout": backend.timeout,
-        "read_timeout": backend.timeout,
-        "write_timeout": backend.timeout,
-    }
-
-
-def server_hung_up(conn: Any) -> bool:
-    """True if the server has closed (or written to) our idle connection: a restart, an idle
-    timeout or a KILL. No round trip: an idle MySQL connection has nothing to read."""
-    sock = getattr(conn, "_sock", None)
-    if sock is None:
-        return True
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(readable)
-
-
-def _poller(conn: Any) -> Any:
-    """server_hung_up for this one connection, as a poll() object made once (a third of the
-    cost of select() on every call); server_hung_up itself where poll() is missing."""
-    if not hasattr(select, "poll"):
-        return server_hung_up
-    poller = select.poll()
-    poller.register(conn._sock, select.POLLIN)
-    return lambda _conn: bool(poller.poll(0))
+    return dict(host=url.host or "localhost", port=url.port or 3306,
+                user=url.username or "root", password=url.password or "", database=database,
+                charset="utf8mb4", autocommit=True, connect_timeout=timeout,
+                read_timeout=timeout, write_timeout=timeout)  # fmt: skip
 
 
 def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
 
-def _holder(row: Sequence[Any]) -> Holder:
-    """(…, owner_info, token, acquired_at, expires_at) → Holder."""
-    return Holder(int(row[2]), Owner.from_json(row[1]), utc(row[3]), utc(row[4]))
+class MySQL(LeaseTable):
+    """The lease table in MySQL or MariaDB (see the module docstring)."""
 
-
-class MySQLBackend(Backend):
     scheme = "mysql"
-    capabilities = Capabilities()
-    options = {"table": Option(identifier, "latchkey_locks", "lease table name")}
+    sync_driver = "latchkey.stores.io.pymysql:PyMySQLDriver"
+    async_driver = "latchkey.stores.io.asyncmy:AsyncmyDriver"
+    RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE = RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE
+    RECORD_GET, RECORD_INSERT, RECORD_UPDATE = RECORD_GET, RECORD_INSERT, RECORD_UPDATE
+    RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
+    ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
+    CLAIM, RELEASE_MANY, EXTEND = CLAIM, RELEASE_MANY, EXTEND
+    RELEASE_PREPARED = RELEASE_PREPARED
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
-        self.table: str = self.config["table"]
-        self._connect_args = connect_args(self)
-        self._base_sql = {k: sql.replace("{t}", self.table) for k, sql in _STATEMENTS.items()}
-        # The statements of the current connection: on MariaDB, acquire and release are
-        # EXECUTEs of the statements prepared on it.
-        self._sql = dict(self._base_sql)
-        self._conn: Any | None = None
-        self._cur: Any | None = None  # one cursor per connection, reused by every call
-        self._pid = 0
-        self._mutex = threading.Lock()
-        self._hung_up: Any = server_hung_up  # conn -> bool; a poll() of its socket if we can
+    def __init__(self, backend: BackendBase) -> None:
+        super().__init__(backend)
+        self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
+        self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
 
-    # -- connection --------------------------------------------------------------------------
+    def setup(self, server_version: str) -> list[Query]:
+        """The statements each new connection runs first (the driver's): the session's
+        settings, the tables, and on MariaDB the hot statements prepared."""
+        self.prepared = "mariadb" in server_version.lower()
+        steps = [
+            Query(SESSION, (max(1, math.floor(self.timeout / 2)),)),
+            Query(CREATE.format(t=self.table, version=SCHEMA_VERSION)),
+        ]
+        if self.prepared:
+            steps.append(Query(PREPARE, (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED)))
+        return steps
 
-    def _cursor(self) -> Any:
-        """The open connection's cursor; a new connection after a failure, a fork, or when the
-        server closed the idle one (restart, idle timeout, KILL). Tables are created and the
-        hot statements prepared on each new one."""
-        if self._conn is not None and self._pid == os.getpid():
-            if not self._hung_up(self._conn):
-                return self._cur
-            self._drop()
-        self._conn = self._cur = None  # after fork: the parent's socket is not ours to use
-        conn = pymysql.connect(**self._connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
-        mariadb = "mariadb" in str(conn.get_server_info()).lower()
-        try:
-            cur = conn.cursor()
-            cur.execute(SESSION, (max(1, math.floor(self.timeout / 2)),))
-            _drain(cur, CREATE.format(t=self.table, version=SCHEMA_VERSION))
-            if mariadb:
-                sql = self._base_sql
-                _drain(cur, PREPARE, (sql["acquire_returning"], sql["release_prepared"]))
-        except BaseException:
-            conn.close()
-            raise
-        self._sql = dict(self._base_sql)
-        if mariadb:
-            self._sql.update(acquire=EXECUTE_ACQUIRE, acquire_args=EXECUTE_ACQUIRE_ARGS,
-                             release=EXECUTE_RELEASE)  # fmt: skip
-        self._hung_up = _poller(conn)
-        self._conn, self._cur, self._pid = conn, cur, os.getpid()
-        return cur
+    def time(self, value: Any) -> datetime:
+        return utc(value)
 
-    def _drop(self) -> None:
-        """Forget a connection that failed: the next call opens a new one."""
-        conn, self._conn, self._cur = self._conn, None, None
-        if conn is not None and self._pid == os.getpid():
-            with contextlib.suppress(*DRIVER_ERRORS):
-                conn.close()
+    def prefix_params(self, prefix: bytes) -> Sequence[Any]:
+        for special in (b"!", b"%", b"_"):  # a LIKE pattern, '!' the escape
+            prefix = prefix.replace(special, b"!" + special)
+        return (prefix + b"%",)
 
-    def _call(
-        self, action: str, key: str, params: Any = None, **splice: str
-    ) -> tuple[list[tuple[Any, ...]], int]:
-        """Run one (possibly multi-statement) query; return the last result set's rows and the
-        last statement's row count. Any driver error drops the connection → StoreUnavailable."""
-        with self._mutex:
-            try:
-                cur = self._cursor()
-                sql = self._sql[key].format(**splice) if splice else self._sql[key]
-                return _drain(cur, sql, params)
-            except DRIVER_ERRORS as exc:
-                self._drop()
-                self.unavailable(exc, action)
-
-    def _contended(
-        self, action: str, key: str, params: Any, **splice: str
-    ) -> list[tuple[Any, ...]] | None:
-        """Like _call, returning the last result set; None if a statement lost a deadlock or
-        timed out waiting for a row lock (it was rolled back; the connection is kept)."""
-        with self._mutex:
-            try:
-                cur = self._cursor()
-                sql = self._sql[key].format(**splice) if splice else self._sql[key]
-                try:
-                    return _drain(cur, sql, params)[0]
-                except pymysql.err.OperationalError as exc:
-                    if exc.args[0] not in CONTENTION:
-                        raise
-                    return None
-            except DRIVER_ERRORS as exc:
-                self._drop()
-                self.unavailable(exc, action)
-
-    # -- leases ------------------------------------------------------------------------------
+    # -- primitives ------------------------------------------------------------------------------
 
     def acquire(
-        self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
-    ) -> Grant | Busy:
-        if limit == 1 and "acquire_args" in self._sql:  # MariaDB, once connected
-            args = (name.encode(), owner, owner_info, _us(ttl), owner)  # cheaper than a dict
-            rows = self._contended("acquire", "acquire_args", args)
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[Grant | Busy]:
+        if limit == 1 and self.prepared:  # a tuple is cheaper to escape than a dict
+            query = Query(EXECUTE_ACQUIRE_ARGS, (name.encode(), owner, owner_info, _us(ttl), owner))
         else:
-            params = {
-                "name": name.encode(),
-                "owner": owner,
-                "info": owner_info,
-                "ttl_us": _us(ttl),
-                "limit": limit,
-            }
-            rows = self._contended("acquire", "acquire" if limit == 1 else "acquire_slot", params)
-        if rows is None:
+            params = {"name": name.encode(), "owner": owner, "info": owner_info,
+                      "ttl_us": _us(ttl), "limit": limit}  # fmt: skip
+            query = Query(self.ACQUIRE if limit == 1 else self.ACQUIRE_SLOT, params)
+        try:
+            rows, _ = yield query
+        except Contended:
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
         for lease in leases:
@@ -411,130 +324,67 @@ class MySQLBackend(Backend):
         holder = Holder(int(token), Owner.from_json(info), _datetime(acquired), _datetime(expires))
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
 
-    def release(self, name: str, owner: str) -> bool:
-        return self._call("release", "release", (name.encode(), owner))[1] > 0
+    def release(self, name: str, owner: str) -> Steps[bool]:
+        sql = EXECUTE_RELEASE if self.prepared else self.RELEASE
+        _, count = yield Query(sql, (name.encode(), owner))
+        return bool(count > 0)
 
-    def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
+    def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         params = {"name": name.encode(), "owner": owner, "ttl_us": _us(ttl)}
-        rows = self._call("extend", "extend", params)[0]
+        rows, _ = yield Query(self.EXTEND, params)
         return Grant(int(rows[0][0]), utc(rows[0][1])) if rows else None
 
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
-    ) -> dict[str, Grant]:
+    ) -> Steps[dict[str, Grant]]:
         if not names:
             return {}
         keys = sorted(name.encode() for name in names)
-        rows = self._contended(
-            "claim",
-            "claim",
-            (owner, owner_info, _us(ttl), *keys, owner, *keys),
-            rows=", ".join([CLAIM_ROW] * len(keys)),
-            names=", ".join(["%s"] * len(keys)),
-        )
-        if rows is None:
+        marks = ", ".join(["%s"] * len(keys))
+        sql = self.CLAIM.format(rows=", ".join([CLAIM_ROW] * len(keys)), names=marks)
+        try:
+            rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
+        except Contended:
             return {}  # lost a deadlock to another claim: every name was contended just now
         return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
 
-    def release_many(self, names: Sequence[str], owner: str) -> int:
+    def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
         if not names:
             return 0
         keys = [name.encode() for name in names]
-        marks = ", ".join(["%s"] * len(keys))
-        return self._call("release", "release_many", (owner, *keys), names=marks)[1]
+        sql = self.RELEASE_MANY.format(names=", ".join(["%s"] * len(keys)))
+        _, count = yield Query(sql, (owner, *keys))
+        return int(count)
 
-    def inspect(self, name: str) -> LockInfo | None:
-        rows = self._call("inspect", "inspect", (name.encode(),))[0]
-        return LockInfo(name, tuple(_holder(r) for r in rows)) if rows else None
+    def record_get(self, name: str) -> Steps[tuple[str | None, int]]:
+        rows, _ = yield Query(self.RECORD_GET, (name.encode(),))
+        return (_text(rows[0][0]), int(rows[0][1])) if rows else (None, 0)
 
-    def list(self, prefix: str = "") -> Iterator[LockInfo]:
-        pattern = _like_prefix(prefix.encode())
-        rows = self._call("list", "list", (pattern,))[0]
-        yield from group_by_name(rows, _holder)
-
-    def force_release(self, name: str) -> bool:
-        return self._call("force release", "force_release", (name.encode(),))[1] > 0
-
-    def purge_expired(self) -> int:
-        return self._call("purge", "purge")[1]
-
-    # -- records -----------------------------------------------------------------------------
-
-    def record_get(self, name: str) -> tuple[str | None, int]:
-        rows = self._call("record read", "record_get", (name.encode(),))[0]
-        return (rows[0][0], int(rows[0][1])) if rows else (None, 0)
-
-    def record_set(self, name: str, value: str, version: int) -> int | None:
-        if version == 0:
-            with self._mutex:
-                try:
-                    self._cursor().execute(self._sql["record_insert"], (name.encode(), value))
-                    return 1
-                except pymysql.err.IntegrityError as exc:
-                    if exc.args[0] == DUPLICATE_KEY:
-                        return None
-                    self._drop()
-                    self.unavailable(exc, "record write")
-                except DRIVER_ERRORS as exc:
-                    self._drop()
-                    self.unavailable(exc, "record write")
-        count = self._call("record write", "record_update", (value, name.encode(), version))[1]
-        return version + 1 if count == 1 else None
-
-    def record_delete(self, name: str, version: int) -> bool:
-        return self._call("record delete", "record_delete", (name.encode(), version))[1] == 1
-
-    # -- health and lifecycle ----------------------------------------------------------------
-
-    def now(self) -> datetime:
-        return utc(self._call("clock read", "now")[0][0][0])
-
-    def init(self) -> None:
-        with self._mutex:
-            try:
-                self._cursor()
-            except DRIVER_ERRORS as exc:
-                self._drop()
-                self.unavailable(exc, "connect")
-
-    def close(self) -> None:
-        with self._mutex:
-            self._drop()
+    def record_set(self, name: str, value: str, version: int) -> Steps[int | None]:
+        if version != 0:
+            return (yield from super().record_set(name, value, version))
+        try:
+            yield Query(self.RECORD_INSERT, (name.encode(), value))
+        except Duplicate:
+            return None  # created first by another
+        return 1
 
 
-_STATEMENTS: Mapping[str, str] = {
-    "acquire": ACQUIRE,
-    "acquire_slot": ACQUIRE_SLOT,
-    "acquire_returning": ACQUIRE_RETURNING,
-    "release_prepared": RELEASE_PREPARED,
-    "claim": CLAIM,
-    "release": RELEASE,
-    "release_many": RELEASE_MANY,
-    "extend": EXTEND,
-    "inspect": INSPECT,
-    "list": LIST,
-    "force_release": FORCE_RELEASE,
-    "purge": PURGE,
-    "record_get": RECORD_GET,
-    "record_insert": RECORD_INSERT,
-    "record_update": RECORD_UPDATE,
-    "record_delete": RECORD_DELETE,
-    "now": SELECT_NOW,
-}
+class MySQLBackend(StoreBackend):
+    store_class = MySQL
 
 
-def _drain(cur: Any, sql: str, params: Any = None) -> tuple[list[tuple[Any, ...]], int]:
-    """Execute ``sql`` and read every result; return the last result set and row count."""
-    cur.execute(sql, params)
-    rows: list[tuple[Any, ...]] = []
-    count = cur.rowcount
-    while True:
-        if cur.description:
-            rows = list(cur.fetchall())
-        else:
-            count = cur.rowcount
-        if not cur.nextset():
-            return rows, count
+class AsyncMySQLBackend(AsyncStoreBackend):
+    store_class = MySQL
+
+
+def __getattr__(name: str) -> Any:
+    """The sync driver's names the GET_LOCK store imports from here, loaded on first use."""
+    if name in ("DRIVER_ERRORS", "server_hung_up"):
+        from latchkey.stores.io import pymysql
+
+        return getattr(pymysql, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _text(value: str | bytes) -> str:
@@ -542,17 +392,9 @@ def _text(value: str | bytes) -> str:
 
 
 def _datetime(text: str) -> datetime:
-    """A DATETIME(6) as MySQL prints it, 'YYYY-MM-DD HH:MM:SS.ffffff', as aware UTC (parsed
-    with its offset: a sixth of the time of parsing it naive and then replacing the zone)."""
+    """'YYYY-MM-DD HH:MM:SS.ffffff' → aware UTC (with its offset: 6x faster than naive)."""
     return datetime.fromisoformat(text + "+00:00")
 
 
 def _us(seconds: float) -> int:
     return max(1, round(seconds * 1_000_000))
-
-
-def _like_prefix(prefix: bytes) -> bytes:
-    """A LIKE pattern matching names that start with ``prefix`` ('!' is the escape)."""
-    for special in (b"!", b"%", b"_"):
-        prefix = prefix.replace(special, b"!" + special)
-    return prefix + b"%"
