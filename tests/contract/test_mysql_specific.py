@@ -1088,7 +1088,7 @@ def test_async_cancelled_statement_discards_its_connection(base: str, table_url:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not backend._busy and waiting not in backend.io.idle
+        assert not backend._busy and waiting not in backend._idle
         root.rollback()
         lock = store.lock(name, ttl="60s", wait=0)
         assert await lock.acquire() is True

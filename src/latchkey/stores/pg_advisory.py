@@ -80,9 +80,7 @@ _HOLDERS = """
 # In: key. Tries the lock without waiting (prepared, ``extra``: its name). Answer: taken.
 # (Looking the holder up in the same statement cost ~40% of an uncontended acquire even when
 # it was skipped, so the busy path asks HOLDER separately.)
-TRY_LOCK = Statement(
-    "SELECT pg_try_advisory_lock($1::bigint)", YES, key_text, b"latchkey_try_lock"
-)
+TRY_LOCK = Statement("SELECT pg_try_advisory_lock($1::bigint)", YES, key_text, b"latchkey_try_lock")
 # In: hi, lo. The session holding the key, for a busy answer: (pid, application_name,
 # client address), or no row. Only the constant _HOLDERS is spliced in.
 HOLDER = Statement(

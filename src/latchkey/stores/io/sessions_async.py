@@ -2,21 +2,24 @@
 :mod:`latchkey.stores.io.sessions` (a main session, spares pinned to the lock they got, the
 store told when a session ends), for one event loop.
 
-Each primitive runs in a task of its own under one :class:`asyncio.Lock`, and the caller
-awaits it shielded: a caller cancelled during a quick statement sees its cancellation at once,
-while the statement (bounded by the timeout) finishes and its bookkeeping stands — a statement
-cut in half would leave a session that must be closed, and closing it would end every lock in
-it, other owners' included; a lock the cancelled primitive took is recorded, so the core's
-release after a cancellation finds it. A wait in the server is the exception: cancelling its
-caller cancels the wait, and its spare is closed, so the server drops the wait and any lock
-granted at that instant. At most ``store.MAX_WAITS`` waits in the server at once (each needs
-a session of its own); the others wait in the loop for a turn, and one that does not come
-within the wait's length becomes one more try.
+One primitive runs at a time under an :class:`asyncio.Lock`, in the caller's task. A
+statement on a session is never cut in half by a cancellation: a statement cut short would
+leave a session that must be closed, and closing it would end every lock in it, other owners'
+included. So a cancellation that arrives during a statement is held back (:meth:`shielded`):
+the primitive finishes (each statement bounded by the timeout), its bookkeeping stands — a
+lock it took is recorded, so the core's release after a cancellation finds it — and then the
+caller sees CancelledError. A wait in the server is the exception: a cancellation cuts it,
+and its spare is closed, so the server drops the wait and any lock granted at that instant.
+At most ``store.MAX_WAITS`` waits in the server at once (each needs a session of its own);
+the others wait in the loop for a turn, and one that does not come within the wait's length
+becomes one more try.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import Any, ClassVar, TypeVar
 
 from latchkey.errors import StoreUnavailable
@@ -59,8 +62,7 @@ class AsyncSessionDriver(AsyncDriver):
         self.waiting: set[Any] = set()
         self.turns = asyncio.Semaphore(store.MAX_WAITS)
         self._turn_of: set[Any] = set()  # spares that hold a turn to wait
-        self._cuttable: set[asyncio.Task[Any]] = set()  # primitives in a wait in the server
-        self._abandoned: set[asyncio.Task[Any]] = set()  # their callers were cancelled
+        self.deferred = False  # a cancellation held back until the primitive is done
 
     # -- the driver's part -----------------------------------------------------------------------
 
@@ -90,34 +92,44 @@ class AsyncSessionDriver(AsyncDriver):
     # -- running primitives ----------------------------------------------------------------------
 
     async def run(self, steps: Steps[T], action: str) -> T:
-        task = asyncio.ensure_future(self._run(steps, action))
-        task.add_done_callback(self._done)
+        async with self.mutex:  # (cancelled while waiting for it: nothing was started)
+            self.deferred = False
+            try:
+                result = await adrive(steps, self.answer)
+            except StoreUnavailable:
+                raise
+            except self.errors as exc:
+                self.backend.unavailable(exc, action)
+            finally:
+                deferred, self.deferred = self.deferred, False
+            if deferred:
+                raise asyncio.CancelledError  # held back until the primitive was done
+            return result
+
+    async def shielded(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` to its end even if the caller is cancelled meanwhile: the cancellation
+        is held back until the primitive is done (see the module docstring)."""
+        task = asyncio.ensure_future(aw)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if task in self._cuttable:  # a wait in the server: cut it, its spare closed
-                task.cancel()
-                await asyncio.wait((task,))  # closed before the caller goes on
-            else:
-                self._abandoned.add(task)  # a quick statement: let it finish
-            raise
+            self.deferred = True
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((task,))
+            return task.result()
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._abandoned.discard(task)
-        self._cuttable.discard(task)
-        if not task.cancelled():
-            task.exception()  # seen: a caller that was cancelled no longer awaits it
-
-    async def _run(self, steps: Steps[T], action: str) -> T:
-        await self.mutex.acquire()
-        try:
-            return await adrive(steps, self.answer)
-        except StoreUnavailable:
-            raise
-        except self.errors as exc:
-            self.backend.unavailable(exc, action)
-        finally:
-            self.mutex.release()
+    async def _relock(self) -> None:
+        """Take the mutex back after a wait, whatever happens (a cancellation is held back)."""
+        cancelled = False
+        while True:
+            try:
+                await self.mutex.acquire()
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            self.deferred = True
 
     async def answer(self, request: Any) -> Any:
         kind = type(request)
@@ -189,6 +201,8 @@ class AsyncSessionDriver(AsyncDriver):
             self.turns.release()
 
     async def _spare(self, seconds: float) -> Any:
+        if self.deferred:  # cancelled already: no wait
+            raise asyncio.CancelledError
         self.mutex.release()  # waiting for a turn, or connecting: the others go on
         try:
             try:
@@ -211,7 +225,7 @@ class AsyncSessionDriver(AsyncDriver):
             self._turn_of.add(session)
             return session
         finally:
-            await self.mutex.acquire()
+            await self._relock()
 
     async def _free(self, session: Any) -> None:
         self._give_turn(session)
@@ -224,24 +238,19 @@ class AsyncSessionDriver(AsyncDriver):
         await self._end(session)
 
     async def _wait(self, session: Any, statement: Statement, params: Any) -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        if task in self._abandoned:
+        if self.deferred:  # cancelled already: no wait
             await self._end(session)
             raise asyncio.CancelledError
         self.waiting.add(session)
-        self._cuttable.add(task)
         self.mutex.release()
         try:
             got = await self.wait(session, statement, params)
         except BaseException:
-            self._cuttable.discard(task)
-            await self.mutex.acquire()
+            await self._relock()
             self.waiting.discard(session)
             await self._end(session)  # failed or cancelled: whatever it took ends with it
             raise
-        self._cuttable.discard(task)
-        await self.mutex.acquire()
+        await self._relock()
         self.waiting.discard(session)
         self._give_turn(session)
         if session not in self.spares:  # aclose() meanwhile: what it got goes with it

@@ -51,7 +51,8 @@ class AsyncmySessions(AsyncSessionDriver):
         return AsyncmySession(conn, spare)
 
     async def execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
-        return await bounded(self._execute(session, statement, params), self.timeout)
+        return await self.shielded(bounded(self._execute(session, statement, params),
+                                           self.timeout))  # fmt: skip
 
     async def _execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
         cur = session.cur
@@ -75,7 +76,7 @@ class AsyncmySessions(AsyncSessionDriver):
         if time.monotonic() - session.used < IDLE_PING:
             return False
         try:
-            await bounded(session.conn.ping(reconnect=False), self.timeout)
+            await self.shielded(bounded(session.conn.ping(reconnect=False), self.timeout))
         except ERRORS:
             return True
         session.used = time.monotonic()

@@ -167,27 +167,31 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
         return PgSession(conn, spare)
 
     async def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
-        return await bounded(self._execute(session, statement, params), self.guard)
+        if statement.extra is None:
+            return await self.shielded(bounded(self._execute(session, statement, params),
+                                               self.guard))  # fmt: skip
+        # The hot path: libpq, with the loop watching the socket; a cancellation is held
+        # back right there (reply), without a task of its own.
+        pgconn = session.conn.pgconn
+        deadline = asyncio.get_running_loop().time() + self.guard
+        name = statement.extra
+        for again in (True, False):
+            if name not in session.prepared:
+                pgconn.send_prepare(name, statement.text.encode())
+                prepared = await reply(pgconn, deadline, self)
+                if prepared.status != COMMAND_OK:
+                    raise result_error(prepared)
+                session.prepared.add(name)
+            pgconn.send_query_prepared(name, params)
+            result = await reply(pgconn, deadline, self)
+            if result.status == TUPLES_OK:
+                return _yes(result)
+            if not (again and result.error_field(SQLSTATE) == b"26000"):
+                break
+            session.prepared.discard(name)  # deallocated behind our back
+        raise result_error(result)
 
     async def _execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
-        name = statement.extra
-        if name is not None:
-            pgconn = session.conn.pgconn
-            for again in (True, False):
-                if name not in session.prepared:
-                    pgconn.send_prepare(name, statement.text.encode())
-                    prepared = await reply(pgconn)
-                    if prepared.status != COMMAND_OK:
-                        raise result_error(prepared)
-                    session.prepared.add(name)
-                pgconn.send_query_prepared(name, params)
-                result = await reply(pgconn)
-                if result.status == TUPLES_OK:
-                    return _yes(result)
-                if not (again and result.error_field(SQLSTATE) == b"26000"):
-                    break
-                session.prepared.discard(name)  # deallocated behind our back
-            raise result_error(result)
         cur = await session.conn.execute(statement.text, params, prepare=True)
         rows = await cur.fetchall()
         if statement.answer == YES:
@@ -217,19 +221,22 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
             await session.conn.cancel_safe(timeout=self.timeout)
 
 
-async def reply(pgconn: psycopg.pq.abc.PGconn) -> psycopg.pq.abc.PGresult:
+async def reply(
+    pgconn: psycopg.pq.abc.PGconn, deadline: float, driver: AsyncSessionDriver
+) -> psycopg.pq.abc.PGresult:
     """The result of the one statement just sent on ``pgconn`` (psycopg opens connections in
     libpq's nonblocking mode): flushes it, then reads the whole reply, the event loop waking
-    us when the socket has something. Raises psycopg's OperationalError if the connection
-    fails."""
+    us when the socket has something. A cancellation meanwhile is held back (``driver.
+    deferred``): the reply is read to its end. TimeoutError after ``deadline`` (loop time);
+    psycopg's OperationalError if the connection fails."""
     loop = asyncio.get_running_loop()
     fd = pgconn.socket
     while pgconn.flush():  # only if the socket's buffer is full (never for our statements)
-        await _ready(loop, fd, loop.add_writer, loop.remove_writer)
+        await _ready(loop, fd, loop.add_writer, loop.remove_writer, deadline, driver)
     last: psycopg.pq.abc.PGresult | None = None
     while True:
         while pgconn.is_busy():
-            await _ready(loop, fd, loop.add_reader, loop.remove_reader)
+            await _ready(loop, fd, loop.add_reader, loop.remove_reader, deadline, driver)
             pgconn.consume_input()
         result = pgconn.get_result()
         if result is None:  # the end of the reply: the connection is idle again
@@ -241,16 +248,28 @@ async def reply(pgconn: psycopg.pq.abc.PGconn) -> psycopg.pq.abc.PGresult:
 async def _ready(
     loop: asyncio.AbstractEventLoop, fd: int,
     watch: Callable[..., None], unwatch: Callable[[int], object],
+    deadline: float, driver: AsyncSessionDriver,
 ) -> None:  # fmt: skip
     """Wait until ``fd`` is readable (or writable: ``watch`` says which)."""
-    ready = loop.create_future()
-    watch(fd, _set, ready)
-    try:
-        await ready
-    finally:
-        unwatch(fd)
+    while True:
+        ready = loop.create_future()
+        watch(fd, _set, ready)
+        timer = loop.call_at(deadline, _expire, ready)
+        try:
+            await ready
+            return
+        except asyncio.CancelledError:  # the caller's (the deadline is a TimeoutError)
+            driver.deferred = True  # held back: the reply is read to its end
+        finally:
+            timer.cancel()
+            unwatch(fd)
 
 
 def _set(ready: asyncio.Future[None]) -> None:
     if not ready.done():
         ready.set_result(None)
+
+
+def _expire(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_exception(TimeoutError("no reply within the timeout"))
