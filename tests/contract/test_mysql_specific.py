@@ -1139,7 +1139,8 @@ def test_async_getlock_waiter_is_granted_by_the_server_in_one_wait(base: str) ->
         assert other.release(name, owner) is True
         assert await task is True
         assert (len(tries), len(waits)) == (1, 1)
-        assert _holder_id(root, backend.store.key(name)) not in (None, backend.io.main and backend.io.main.id)
+        main = backend.io.main
+        assert _holder_id(root, backend.store.key(name)) not in (None, main and main.id)
         assert await lock.release() is True
         await store.aclose()
 

@@ -88,8 +88,7 @@ class End(NamedTuple):
 
 
 class Alive(NamedTuple):
-    """Whether ``session`` is still open, without a round trip (one the server hung up on
-    is closed now)."""
+    """Whether ``session`` is open (no round trip; one the server hung up on is closed)."""
 
     session: Any
 
@@ -184,7 +183,7 @@ class SessionLocks(Store):
         """End the session of another client holding ``key``: whether one was ended."""
         raise NotImplementedError
 
-    def claim_run(self, keys: list[Any]) -> Run:
+    def claim_run(self, keys: list[Any]) -> Run:  # the claim of keys none of ours holds
         raise NotImplementedError
 
     def claimed(self, keys: list[Any], answer: Any, main: Any) -> Steps[list[Any]]:
@@ -352,7 +351,7 @@ class SessionLocks(Store):
 
     def purge_expired(self) -> Steps[int]:
         return 0  # nothing expires: locks end with their session
-        yield  # a generator
+        yield
 
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
