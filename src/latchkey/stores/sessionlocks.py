@@ -187,13 +187,12 @@ class SessionLocks(Store):
         raise NotImplementedError
 
     def claimed(self, keys: list[Any], answer: Any, main: Any) -> Steps[list[Any]]:
-        """The keys the claim took."""
-        raise NotImplementedError
+        raise NotImplementedError  # the keys the claim took
 
     def release_many_run(self, keys: list[Any], session: Any) -> Run:
         raise NotImplementedError
 
-    def released(self, answer: Any) -> int:
+    def released(self, answer: Any) -> int:  # RELEASE_MANY's answer: how many it released
         raise NotImplementedError
 
     def utc(self, value: Any) -> datetime:
