@@ -30,11 +30,11 @@ from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend, connect_args
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
     WAIT_LOCK,
+    AsyncGetLockBackend,
     GetLockBackend,
     lock_key,
     wait_seconds,
 )
-from latchkey.stores.mysql_getlock_async import AsyncGetLockBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, mariadb, replace_scheme, with_query
@@ -570,7 +570,7 @@ def test_getlock_zero_is_busy_and_null_is_unavailable(
     assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
     # An empty key makes GET_LOCK return NULL on MariaDB (an error on MySQL): unavailable,
     # never busy.
-    monkeypatch.setattr(other, "key", lambda name: "")
+    monkeypatch.setattr(other.store, "key", lambda name: "")
     with pytest.raises(StoreUnavailable):
         other.acquire("anything", _owner(), INFO, 1)
     other.close()
@@ -673,9 +673,9 @@ def _wait_in_another_process(url: str, name: str, conn: Any) -> None:
     backend.acquire = counted  # type: ignore[method-assign,assignment]
     lock = store.lock(name, ttl="60s", wait="30s")
     ok = lock.acquire()
-    session = backend._held[backend.key(name)][2]
-    assert backend._main is not None
-    conn.send((ok, len(tries), session.id, backend._main.id))
+    session = backend.store.held[backend.store.key(name)].session
+    assert backend.io.main is not None
+    conn.send((ok, len(tries), session.id, backend.io.main.id))
     conn.recv()
     conn.send(lock.release())
     store.close()
@@ -729,14 +729,14 @@ def test_getlock_two_locks_of_one_store_on_one_name(base: str) -> None:
     store, name = latchkey.connect(_getlock_url(base)), "two-threads"
     backend = store.backend
     assert isinstance(backend, GetLockBackend)
-    key = backend.key(name)
+    key = backend.store.key(name)
     first, second = store.lock(name, ttl="60s"), store.lock(name, ttl="60s", wait="30s")
     assert first.acquire()
     root = _root(base)
     try:
         thread, outcome = _in_thread(second.acquire)
         waiting = eventually(lambda: _waiting_ids(root, key), what="the second lock waiting")
-        assert outcome == [] and _holder_id(root, key) == backend._main.id  # type: ignore[union-attr]
+        assert outcome == [] and _holder_id(root, key) == backend.io.main.id  # type: ignore[union-attr]
         assert first.release() is True
         thread.join(30)
         assert outcome == [True]
@@ -747,7 +747,7 @@ def test_getlock_two_locks_of_one_store_on_one_name(base: str) -> None:
             first.extend()  # released: the second owner's lock is not the first's
         assert second.release() is True
         assert _holder_id(root, key) is None
-        assert [s.id for s in backend._idle] == waiting  # lockless again: kept for reuse
+        assert [s.id for s in backend.io.idle] == waiting  # lockless again: kept for reuse
     finally:
         root.close()
         store.close()
@@ -766,9 +766,9 @@ def test_getlock_wait_times_out_naming_the_holder(base: str) -> None:
     assert lock.acquire() is False
     elapsed = time.monotonic() - started
     assert 0.4 <= elapsed < 0.9  # MariaDB waits fractions of a second
-    assert other._main is not None and lock.holder is not None
-    assert lock.holder.owner.metadata == {"connection_id": other._main.id}
-    assert len(backend._idle) == 1 and not backend._waiting  # the session is kept
+    assert other.io.main is not None and lock.holder is not None
+    assert lock.holder.owner.metadata == {"connection_id": other.io.main.id}
+    assert len(backend.io.idle) == 1 and not backend.io.waiting  # the session is kept
     mine = store.lock(name + "-mine", ttl="60s")
     assert mine.acquire()
     again = store.lock(name + "-mine", ttl="60s", wait="200ms")
@@ -790,13 +790,13 @@ def test_getlock_whole_second_waits_on_mysql_never_pass_the_deadline(
     backend = open_backend(url)
     assert isinstance(backend, GetLockBackend)
     assert isinstance(backend.acquire_blocking(name, _owner(), INFO, 1, 1, 0.01), Busy)
-    (session,) = backend._idle
-    session.fractions = False  # as on MySQL
+    (session,) = backend.io.idle
+    session.server = "8.0.36"  # as on MySQL
     sent: list[float] = []
     execute = session.cur.execute
 
     def spy(sql: str, params: Any = None) -> Any:
-        if sql == WAIT_LOCK:
+        if sql == WAIT_LOCK.text:
             sent.append(params[1])
         return execute(sql, params)
 
@@ -819,7 +819,7 @@ def test_getlock_killed_waiting_session_is_not_reused(base: str) -> None:
     store = latchkey.connect(url)
     backend = store.backend
     assert isinstance(backend, GetLockBackend)
-    key = backend.key(name)
+    key = backend.store.key(name)
     root = _root(base)
     try:
         thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
@@ -828,13 +828,13 @@ def test_getlock_killed_waiting_session_is_not_reused(base: str) -> None:
             cur.execute("KILL CONNECTION %s", (killed,))
         thread.join(30)
         assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailable)
-        assert not backend._idle and not backend._waiting
+        assert not backend.io.idle and not backend.io.waiting
         # Killed while idle in the pool: found ended, closed, replaced.
         assert isinstance(backend.acquire_blocking(name, _owner(), INFO, 1, 1, 0.01), Busy)
-        (idle,) = backend._idle
+        (idle,) = backend.io.idle
         with root.cursor() as cur:
             cur.execute("KILL CONNECTION %s", (idle.id,))
-        eventually(lambda: server_hung_up(idle.conn), what="the kill seen")
+        eventually(lambda: backend.io.hung_up(idle), what="the kill seen")
         thread, outcome = _in_thread(store.lock(name, ttl="60s", wait="30s").acquire)
         (waiting,) = eventually(lambda: _waiting_ids(root, key), what="a new wait")
         assert waiting not in (killed, idle.id)
@@ -861,7 +861,7 @@ def test_getlock_one_session_dying_loses_only_its_own_locks(base: str) -> None:
         assert isinstance(other.acquire(name, owner, INFO, 1), Grant)
         lock = store.lock(name, ttl="60s", wait="30s")
         thread, outcome = _in_thread(lock.acquire)
-        (session_id,) = eventually(lambda: _waiting_ids(root, backend.key(name)), what="wait")
+        (session_id,) = eventually(lambda: _waiting_ids(root, backend.store.key(name)), what="wait")
         assert other.release(name, owner) is True
         thread.join(30)
         assert outcome == [True]
@@ -876,7 +876,7 @@ def test_getlock_one_session_dying_loses_only_its_own_locks(base: str) -> None:
         assert on_main.acquire()
         on_extra, extra_id = waited_for("on-extra")
         kill(extra_id)
-        eventually(lambda: _holder_id(root, backend.key("on-extra")) is None, what="the kill")
+        eventually(lambda: _holder_id(root, backend.store.key("on-extra")) is None, what="the kill")
         with pytest.raises(LockLost):
             on_extra.extend()
         assert on_extra.release() is False
@@ -886,13 +886,13 @@ def test_getlock_one_session_dying_loses_only_its_own_locks(base: str) -> None:
         on_main = store.lock("on-main", ttl="60s")
         assert on_main.acquire()
         on_extra, extra_id = waited_for("on-extra")
-        assert backend._main is not None
-        kill(backend._main.id)
-        eventually(lambda: _holder_id(root, backend.key("on-main")) is None, what="the kill")
+        assert backend.io.main is not None
+        kill(backend.io.main.id)
+        eventually(lambda: _holder_id(root, backend.store.key("on-main")) is None, what="the kill")
         with pytest.raises(LockLost):
             on_main.extend()
         on_extra.extend()  # the extra session's lock is untouched
-        assert _holder_id(root, backend.key("on-extra")) == extra_id
+        assert _holder_id(root, backend.store.key("on-extra")) == extra_id
         assert on_extra.release() is True
     finally:
         root.close()
@@ -910,7 +910,7 @@ def test_getlock_interrupted_wait_closes_its_session(base: str) -> None:
     store = latchkey.connect(url)
     backend = store.backend
     assert isinstance(backend, GetLockBackend)
-    key = backend.key(name)
+    key = backend.store.key(name)
     root = _root(base)
     main_thread = threading.get_ident()
 
@@ -928,7 +928,7 @@ def test_getlock_interrupted_wait_closes_its_session(base: str) -> None:
         with pytest.raises(_Interrupted):
             store.lock(name, ttl="60s", wait="30s").acquire()
         thread.join(30)
-        assert not backend._idle and not backend._waiting
+        assert not backend.io.idle and not backend.io.waiting
         eventually(lambda: not _waiting_ids(root, key), what="the session closed")
         assert other.release(name, owner) is True
         assert _holder_id(root, key) is None  # the closed wait took nothing
@@ -1003,7 +1003,7 @@ def test_getlock_a_forked_child_uses_none_of_the_parents_sessions(base: str) -> 
         thread, outcome = _in_thread(
             lambda: backend.acquire_blocking("fork-extra", second, INFO, 1, 1, 30)
         )
-        eventually(lambda: _waiting_ids(root, backend.key("fork-extra")), what="a wait")
+        eventually(lambda: _waiting_ids(root, backend.store.key("fork-extra")), what="a wait")
         assert other.release("fork-extra", third) is True
         thread.join(30)
         assert outcome == [Grant(None, None)]
@@ -1176,11 +1176,12 @@ def test_async_getlock_waiter_is_granted_by_the_server_in_one_wait(base: str) ->
         tries, waits = _counting(backend, "acquire"), _counting(backend, "acquire_blocking")
         lock = store.lock(name, ttl="60s", wait="30s")
         task = asyncio.ensure_future(lock.acquire())
-        await _until(lambda: _waiting_ids(root, backend.key(name)), "a wait in the server")
+        await _until(lambda: _waiting_ids(root, backend.store.key(name)), "a wait in the server")
         assert other.release(name, owner) is True
         assert await task is True
         assert (len(tries), len(waits)) == (1, 1)
-        assert _holder_id(root, backend.key(name)) not in (None, backend._main and backend._main.id)
+        main = backend.io.main
+        assert _holder_id(root, backend.store.key(name)) not in (None, main and main.id)
         assert await lock.release() is True
         await store.aclose()
 
@@ -1203,7 +1204,7 @@ def test_async_getlock_cancelled_wait_closes_its_session(base: str) -> None:
         store = latchkey.connect_async(url)
         backend = store.backend
         assert isinstance(backend, AsyncGetLockBackend)
-        key = backend.key(name)
+        key = backend.store.key(name)
         kept = store.lock("async-kept", ttl="60s", wait=0)
         assert await kept.acquire() is True
         task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
@@ -1211,7 +1212,7 @@ def test_async_getlock_cancelled_wait_closes_its_session(base: str) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not backend._waiting and not backend._idle
+        assert not backend.io.waiting and not backend.io.idle
         await _until(lambda: not _waiting_ids(root, key), "the wait dropped")
         assert other.release(name, owner) is True
         assert _holder_id(root, key) is None  # the closed wait took nothing
@@ -1242,8 +1243,8 @@ def test_async_getlock_cancelled_acquire_keeps_the_other_locks(base: str, yields
         assert isinstance(backend, AsyncGetLockBackend)
         kept = store.lock(f"async-cut-kept-{yields}", ttl="60s", wait=0)
         assert await kept.acquire() is True
-        assert backend._main is not None
-        main_id = backend._main.id
+        assert backend.io.main is not None
+        main_id = backend.io.main.id
         task = asyncio.ensure_future(store.lock(name, ttl="60s", wait=0).acquire())
         for _ in range(yields):
             await asyncio.sleep(0)
@@ -1251,9 +1252,9 @@ def test_async_getlock_cancelled_acquire_keeps_the_other_locks(base: str, yields
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await store.inspect(name)  # after whatever the cancelled acquire left running
-        assert backend._main is not None and backend._main.id == main_id
-        assert _holder_id(root, backend.key(kept.name)) == main_id
-        assert _holder_id(root, backend.key(name)) is None
+        assert backend.io.main is not None and backend.io.main.id == main_id
+        assert _holder_id(root, backend.store.key(kept.name)) == main_id
+        assert _holder_id(root, backend.store.key(name)) is None
         assert await kept.release() is True
         await store.aclose()
 

@@ -30,7 +30,7 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
+from latchkey.stores.pg_advisory import AdvisoryBackend, AsyncAdvisoryBackend, advisory_key
 from latchkey.stores.postgresql import SCHEMA_VERSION, PostgreSQLBackend, positional
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
@@ -103,6 +103,13 @@ def own_server(tmp_path: Path) -> Iterator[RunningServer]:
         raise AssertionError("unreachable") from exc
     yield server
     server.stop()
+
+
+def _main_session(b: Any) -> Any:
+    """The session a backend's uncontended acquire and release run on."""
+    if isinstance(b, (AdvisoryBackend, AsyncAdvisoryBackend)):
+        return b.io.main
+    return b._session
 
 
 # -- options and layout --------------------------------------------------------------------------
@@ -229,8 +236,9 @@ def test_statements_dropped_behind_the_store_are_prepared_again(
         owner = _owner()
         assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
         assert b.release("n", owner) is True
-        conn = b._session.conn
-        assert conn is not None and b._session.prepared  # what run_prepared made
+        session = _main_session(b)
+        conn = session.conn
+        assert conn is not None and session.prepared  # what run_prepared made
         conn.execute("DEALLOCATE ALL")  # as psycopg does after a DROP or ROLLBACK it ran
         assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
         assert b.release("n", owner) is True
@@ -782,7 +790,7 @@ def test_advisory_keys_are_64_bit_hashes_seen_in_pg_locks(
     assert advisory_key("a\x00b") != advisory_key("b", "a")  # prefix and name can't blur
     name = "nul\x00inside ✓"
     assert isinstance(advisory.acquire(name, _owner(), INFO, 10), Grant)
-    unsigned = advisory.key(name) & (2**64 - 1)
+    unsigned = advisory.store.key(name) & (2**64 - 1)
     rows = sql.execute(
         "SELECT classid::bigint, objid::bigint, objsubid FROM pg_locks "
         "WHERE locktype = 'advisory' AND granted"
@@ -969,7 +977,7 @@ def test_advisory_wait_times_out_busy_with_the_holder_named(
         assert busy.holder is not None and busy.holder.owner.pid == os.getpid()
         assert 0.3 <= elapsed < 2
         assert _advisory_waiters(sql, os.getpid()) == []  # the wait ended in the server
-        assert len(advisory._idle) == 1  # its session went back to the pool, holding nothing
+        assert len(advisory.io.idle) == 1  # its session went back to the pool, holding nothing
         # Through the core: the same answer, within the wait.
         waiter = latchkey.connect(advisory.url.raw)
         try:
@@ -1005,11 +1013,11 @@ def test_advisory_killed_waiting_session_is_not_reused(
         sql.execute("SELECT pg_terminate_backend(%s)", (killed,))
         t.join(30)
         assert len(errors) == 1 and isinstance(errors[0], StoreUnavailable)
-        assert advisory._spares == {} and advisory._idle == []  # closed, not pooled
+        assert advisory.io.spares == set() and advisory.io.idle == []  # closed, not pooled
         assert other.release("n", held) is True
         granted = advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 5)
         assert isinstance(granted, Grant)
-        assert _holder_pid(sql, advisory.key("n")) not in (None, killed)
+        assert _holder_pid(sql, advisory.store.key("n")) not in (None, killed)
     finally:
         other.close()
 
@@ -1034,7 +1042,7 @@ def test_advisory_interrupted_wait_closes_its_session(
         with pytest.raises(KeyboardInterrupt):
             advisory.acquire_blocking("n", _owner(), INFO, 60, 1, 30)
         t.join(10)
-        assert advisory._spares == {} and advisory._idle == []
+        assert advisory.io.spares == set() and advisory.io.idle == []
 
         def gone() -> bool:
             row = sql.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s",
@@ -1056,17 +1064,17 @@ def test_advisory_a_dying_session_loses_only_its_own_locks(
     # A free name is granted at once, on a spare session each (a holding spare never waits).
     assert isinstance(advisory.acquire_blocking("b", b, INFO, 60, 1, 5), Grant)
     assert isinstance(advisory.acquire_blocking("c", c, INFO, 60, 1, 5), Grant)
-    pids = {n: _holder_pid(sql, advisory.key(n)) for n in "abc"}
+    pids = {n: _holder_pid(sql, advisory.store.key(n)) for n in "abc"}
     assert len(set(pids.values())) == 3 and None not in pids.values()
     sql.execute("SELECT pg_terminate_backend(%s)", (pids["b"],))
-    eventually(lambda: _holder_pid(sql, advisory.key("b")) is None, what="b's session ended")
+    eventually(lambda: _holder_pid(sql, advisory.store.key("b")) is None, what="b's session ended")
     assert advisory.extend("b", b, 60) is None  # LockLost for b only
     assert advisory.release("b", b) is False
     assert advisory.extend("a", a, 60) == Grant(None, None)
     assert advisory.extend("c", c, 60) == Grant(None, None)
     # The main session dies: "a" goes with it, "c" stays; try-acquires reconnect.
     sql.execute("SELECT pg_terminate_backend(%s)", (pids["a"],))
-    eventually(lambda: _holder_pid(sql, advisory.key("a")) is None, what="a's session ended")
+    eventually(lambda: _holder_pid(sql, advisory.store.key("a")) is None, what="a's session ended")
     assert advisory.extend("a", a, 60) is None
     assert advisory.extend("c", c, 60) == Grant(None, None)
     assert isinstance(advisory.acquire("c", _owner(), INFO, 60), Busy)
@@ -1119,8 +1127,8 @@ def test_advisory_threads_of_one_backend_queue_in_the_server(
         assert errors == [] and entries[0] == 120
         backend = store.backend
         assert isinstance(backend, AdvisoryBackend)
-        assert backend._held == {} and len(backend._idle) <= 2  # extra spares were closed
-        assert set(backend._spares) == set(backend._idle)
+        assert backend.store.held == {} and len(backend.io.idle) <= 2  # extra spares were closed
+        assert backend.io.spares == set(backend.io.idle)
     finally:
         store.close()
 
@@ -1131,7 +1139,7 @@ def test_advisory_close_ends_every_session(
     assert isinstance(advisory.acquire("a", _owner(), INFO, 60), Grant)
     assert isinstance(advisory.acquire_blocking("b", _owner(), INFO, 60, 1, 5), Grant)
     assert isinstance(advisory.acquire_blocking("c", _owner(), INFO, 60, 1, 0.2), Grant)
-    pids = [_holder_pid(sql, advisory.key(n)) for n in "abc"]
+    pids = [_holder_pid(sql, advisory.store.key(n)) for n in "abc"]
     advisory.close()
 
     def closed() -> bool:
@@ -1146,8 +1154,8 @@ def test_advisory_fork_child_does_not_inherit_spare_sessions(advisory: AdvisoryB
     owner = _owner()
     assert isinstance(advisory.acquire_blocking("b", owner, INFO, 60, 1, 5), Grant)
     assert isinstance(advisory.acquire_blocking("idle", _owner(), INFO, 60, 1, 5), Grant)
-    assert advisory.release("idle", advisory._held[advisory.key("idle")].owner)
-    assert len(advisory._idle) == 1
+    assert advisory.release("idle", advisory.store.held[advisory.store.key("idle")].owner)
+    assert len(advisory.io.idle) == 1
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -1380,8 +1388,8 @@ def test_async_statements_through_libpq_keep_the_values_and_survive_deallocate_a
             for b in (backend, advisory.backend):
                 assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
                 assert await b.release("m", owner) is True
-                assert b._session.prepared  # what run_prepared made
-                conn = b._session.conn
+                assert _main_session(b).prepared  # what run_prepared made
+                conn = _main_session(b).conn
                 await conn.execute("DEALLOCATE ALL")  # as psycopg does after a ROLLBACK
                 assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
                 assert await b.release("m", owner) is True
@@ -1438,7 +1446,7 @@ def test_async_advisory_waits_in_the_server_are_capped_and_the_rest_wait_their_t
 ) -> None:
     """More waiters than MAX_WAITS: only MAX_WAITS spare sessions wait in the server (the
     server's connections are few); every waiter still gets the lock in turn."""
-    from latchkey.stores.pg_advisory_async import MAX_WAITS
+    from latchkey.stores.pg_advisory import MAX_WAITS
 
     url = _url(pg_base, "postgresql+advisory", timeout="30s")
     count = MAX_WAITS + 20

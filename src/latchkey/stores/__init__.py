@@ -48,11 +48,11 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "postgresql": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
     "postgres": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
     "postgresql+advisory": _store(
-        "pg_advisory", "AdvisoryBackend", "AsyncAdvisoryBackend", "postgresql"
+        "pg_advisory", "AdvisoryBackend", ":AsyncAdvisoryBackend", "postgresql"
     ),
     "mysql": _store("mysql", "MySQLBackend", ":AsyncMySQLBackend", "mysql"),
     "mariadb": _store("mysql", "MySQLBackend", ":AsyncMySQLBackend", "mysql"),
-    "mysql+getlock": _store("mysql_getlock", "GetLockBackend", "AsyncGetLockBackend", "mysql"),
+    "mysql+getlock": _store("mysql_getlock", "GetLockBackend", ":AsyncGetLockBackend", "mysql"),
     "redis": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),

@@ -1,0 +1,278 @@
+"""The sessions of a session-lock store, asyncio flavour: the twin of
+:mod:`latchkey.stores.io.sessions` (a main session, spares pinned to the lock they got, the
+store told when a session ends), for one event loop.
+
+One primitive runs at a time under an :class:`asyncio.Lock`, in the caller's task. A
+statement on a session is never cut in half by a cancellation: a statement cut short would
+leave a session that must be closed, and closing it would end every lock in it, other owners'
+included. So a cancellation that arrives during a statement is held back (:meth:`shielded`):
+the primitive finishes (each statement bounded by the timeout), its bookkeeping stands — a
+lock it took is recorded, so the core's release after a cancellation finds it — and then the
+caller sees CancelledError. A wait in the server is the exception: a cancellation cuts it,
+and its spare is closed, so the server drops the wait and any lock granted at that instant.
+At most ``store.MAX_WAITS`` waits in the server at once (each needs a session of its own);
+the others wait in the loop for a turn, and one that does not come within the wait's length
+becomes one more try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import Any, ClassVar, TypeVar
+
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.io import Steps
+from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
+from latchkey.stores.io.sessions import IDLE_SPARES
+from latchkey.stores.sessionlocks import (
+    WAIT,
+    Alive,
+    End,
+    Free,
+    Reach,
+    Refused,
+    Run,
+    SessionEnded,
+    Spare,
+    Statement,
+)
+
+T = TypeVar("T")
+
+
+class AsyncSessionDriver(AsyncDriver):
+    """See the module docstring; a driver module adds how to open a session and run one
+    statement (``io/sessions_psycopg.py``, ``io/sessions_asyncmy.py``)."""
+
+    driver_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError, asyncio.TimeoutError)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.errors = (*cls.driver_errors, SessionEnded, Refused)  # the store's mapped too
+
+    def __init__(self, backend: Any, store: Any) -> None:
+        super().__init__(backend, store)
+        self.timeout: float = backend.timeout
+        self.mutex = asyncio.Lock()
+        self.main: Any = None
+        self.idle: list[Any] = []
+        self.spares: set[Any] = set()
+        self.waiting: set[Any] = set()
+        self.turns = asyncio.Semaphore(store.MAX_WAITS)
+        self._turn_of: set[Any] = set()  # spares that hold a turn to wait
+        self.deferred = False  # a cancellation held back until the primitive is done
+
+    # -- the driver's part -----------------------------------------------------------------------
+
+    async def connect(self, spare: bool) -> Any:
+        raise NotImplementedError
+
+    async def execute(self, session: Any, statement: Statement, params: Any) -> Any:
+        raise NotImplementedError
+
+    async def wait(self, session: Any, statement: Statement, params: Any) -> Any:
+        raise NotImplementedError
+
+    async def hung_up(self, session: Any) -> bool:
+        raise NotImplementedError
+
+    def usable(self, session: Any, exc: BaseException) -> bool:
+        """After ``exc`` (a driver error, not a timeout): whether the session is still usable."""
+        return False
+
+    async def disconnect(self, session: Any) -> None:
+        raise NotImplementedError
+
+    async def interrupt(self, session: Any) -> None:
+        """End the wait another task is in on ``session`` (it then fails, and closes it)."""
+        raise NotImplementedError
+
+    # -- running primitives ----------------------------------------------------------------------
+
+    async def run(self, steps: Steps[T], action: str) -> T:
+        async with self.mutex:  # (cancelled while waiting for it: nothing was started)
+            self.deferred = False
+            try:
+                result = await adrive(steps, self.answer)
+            except StoreUnavailable:
+                raise
+            except self.errors as exc:
+                self.backend.unavailable(exc, action)
+            finally:
+                deferred, self.deferred = self.deferred, False
+            if deferred:
+                raise asyncio.CancelledError  # held back until the primitive was done
+            return result
+
+    async def shielded(self, aw: Awaitable[T]) -> T:
+        """Await ``aw`` to its end even if the caller is cancelled meanwhile: the cancellation
+        is held back until the primitive is done (see the module docstring)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.deferred = True
+            while not task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait((task,))
+            return task.result()
+
+    async def _relock(self) -> None:
+        """Take the mutex back after a wait, whatever happens (a cancellation is held back)."""
+        cancelled = False
+        while True:
+            try:
+                await self.mutex.acquire()
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            self.deferred = True
+
+    async def answer(self, request: Any) -> Any:
+        kind = type(request)
+        if kind is Run:
+            statement, params, session = request
+            if session is None:
+                session = await self._main()
+            elif session.closed:
+                raise SessionEnded("the session holding the lock has ended")
+            if statement.answer == WAIT:
+                return await self._wait(session, statement, params), session
+            try:
+                return await self.execute(session, statement, params), session
+            except BaseException as exc:
+                if (
+                    isinstance(exc, self.driver_errors)
+                    and not isinstance(exc, asyncio.TimeoutError)
+                    and self.usable(session, exc)
+                ):
+                    raise
+                await self._end(session)  # failed, timed out, or cut short: out of step
+                if request.session is None or not isinstance(exc, self.driver_errors):
+                    raise
+                raise SessionEnded(str(exc)) from exc
+        if kind is Free:
+            return await self._free(request.session)
+        if kind is Alive:
+            session = request.session
+            if session.closed:
+                return False
+            if await self.hung_up(session):
+                await self._end(session)
+                return False
+            return True
+        if kind is Spare:
+            return await self._spare(request.seconds)
+        if kind is Reach:
+            await self._main()
+            return None
+        if kind is End:
+            await self._end(request.session)
+            return None
+        raise TypeError(f"not a session-lock request: {request!r}")
+
+    async def _main(self) -> Any:
+        main = self.main
+        if main is not None:
+            if not await self.hung_up(main):
+                return main
+            await self._end(main)
+        main = self.main = await self.connect(False)
+        return main
+
+    async def _end(self, session: Any) -> None:
+        if session is self.main:
+            self.main = None
+        self.spares.discard(session)
+        if session in self.idle:
+            self.idle.remove(session)
+        self._give_turn(session)
+        self.store.session_ended(session)
+        if not session.closed:
+            session.closed = True
+            await self.disconnect(session)
+
+    def _give_turn(self, session: Any) -> None:
+        if session in self._turn_of:
+            self._turn_of.discard(session)
+            self.turns.release()
+
+    async def _spare(self, seconds: float) -> Any:
+        if self.deferred:  # cancelled already: no wait
+            raise asyncio.CancelledError
+        self.mutex.release()  # waiting for a turn, or connecting: the others go on
+        try:
+            try:
+                await bounded(self.turns.acquire(), max(seconds, 0.001))
+            except asyncio.TimeoutError:
+                return None  # MAX_WAITS others waited in the server all along
+            try:
+                session = None
+                while self.idle and session is None:
+                    session = self.idle.pop()
+                    if await self.hung_up(session):  # a killed one is never reused
+                        await self._end(session)
+                        session = None
+                if session is None:
+                    session = await self.connect(True)
+                    self.spares.add(session)
+            except BaseException:
+                self.turns.release()
+                raise
+            self._turn_of.add(session)
+            return session
+        finally:
+            await self._relock()
+
+    async def _free(self, session: Any) -> None:
+        self._give_turn(session)
+        if session is self.main or session.closed or session in self.idle:
+            return
+        keep = session in self.spares and len(self.idle) < IDLE_SPARES
+        if keep and not await self.hung_up(session):
+            self.idle.append(session)
+            return
+        await self._end(session)
+
+    async def _wait(self, session: Any, statement: Statement, params: Any) -> Any:
+        if self.deferred:  # cancelled already: no wait
+            await self._end(session)
+            raise asyncio.CancelledError
+        self.waiting.add(session)
+        self.mutex.release()
+        try:
+            got = await self.wait(session, statement, params)
+        except BaseException:
+            await self._relock()
+            self.waiting.discard(session)
+            await self._end(session)  # failed or cancelled: whatever it took ends with it
+            raise
+        await self._relock()
+        self.waiting.discard(session)
+        self._give_turn(session)
+        if session not in self.spares:  # aclose() meanwhile: what it got goes with it
+            await self._end(session)
+            raise SessionEnded("the store was closed")
+        return got
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Closing the sessions ends every lock they hold; a wait in progress fails with
+        StoreUnavailable."""
+        async with self.mutex:
+            sessions = list(self.spares)
+            if self.main is not None:
+                sessions.append(self.main)
+            waiting = set(self.waiting)
+            self.main, self.idle, self.spares = None, [], set()
+            self.store.forget_all()
+            for session in sessions:
+                if session in waiting:
+                    await self.interrupt(session)  # its task closes it
+                    continue
+                session.closed = True
+                await self.disconnect(session)

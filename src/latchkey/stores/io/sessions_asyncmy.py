@@ -1,0 +1,91 @@
+"""asyncmy under the session-lock driver (``mysql+getlock://``, asyncio): open a session, run
+one statement (the statements' row forms, ``Statement.extra``: see
+:mod:`latchkey.stores.mysql_getlock`), tell whether the server ended an idle one.
+
+Every call is bounded by one ``asyncio.timeout`` (asyncmy's own ``read_timeout`` wraps every
+packet read in ``wait_for``, ~250 µs a pair); a wait in the server by its length plus the
+store's ``timeout``. A session idle for ``IDLE_PING`` seconds or more is pinged before use (the
+server may have ended it: restart, idle timeout, KILL) and replaced if it does not answer.
+Closing a waiting session's connection (``aclose``) makes its wait fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import asyncmy
+
+from latchkey.stores.io.aio import bounded
+from latchkey.stores.io.sessions import Session
+from latchkey.stores.io.sessions_async import AsyncSessionDriver
+from latchkey.stores.mysql import connect_args
+from latchkey.stores.sessionlocks import DONE, ROWS, Statement
+
+ERRORS: tuple[type[BaseException], ...] = (asyncmy.errors.MySQLError, OSError, asyncio.TimeoutError)
+#: A session idle this long is pinged before use.
+IDLE_PING = 1.0
+
+
+class AsyncmySession(Session):
+    __slots__ = ("cur",)
+
+    def __init__(self, conn: Any, spare: bool) -> None:
+        super().__init__(conn, conn.thread_id(), conn.get_server_info(), spare)
+        self.cur = conn.cursor()
+        self.used = time.monotonic()
+
+
+class AsyncmySessions(AsyncSessionDriver):
+    driver_errors = ERRORS
+
+    def __init__(self, backend: Any, store: Any) -> None:
+        super().__init__(backend, store)
+        self.args = connect_args(backend)
+        del self.args["read_timeout"], self.args["write_timeout"]  # asyncio's, per call
+
+    async def connect(self, spare: bool) -> AsyncmySession:
+        conn = await bounded(asyncmy.connect(**self.args), self.timeout)
+        return AsyncmySession(conn, spare)
+
+    async def execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
+        return await self.shielded(bounded(self._execute(session, statement, params),
+                                           self.timeout))  # fmt: skip
+
+    async def _execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
+        cur = session.cur
+        answer, extra = statement.answer, statement.extra
+        try:  # the row form where there is one
+            await cur.execute(extra if isinstance(extra, str) else statement.text, params)
+        except asyncmy.errors.OperationalError as exc:
+            if answer == DONE and exc.args[:1] == (extra,):
+                return False  # refused with the code that means "nothing to do"
+            raise
+        session.used = time.monotonic()
+        if answer == DONE:
+            return True
+        rows = list(await cur.fetchall())  # buffered: no I/O
+        return rows if answer == ROWS else rows[0][0]  # YES, WAIT: 1, 0, or NULL (None)
+
+    async def wait(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
+        return await bounded(self._execute(session, statement, params), self.timeout + params[1])
+
+    async def hung_up(self, session: AsyncmySession) -> bool:
+        if time.monotonic() - session.used < IDLE_PING:
+            return False
+        try:
+            await self.shielded(bounded(session.conn.ping(reconnect=False), self.timeout))
+        except ERRORS:
+            return True
+        session.used = time.monotonic()
+        return False
+
+    async def disconnect(self, session: AsyncmySession) -> None:
+        with contextlib.suppress(Exception):
+            session.conn.close()
+
+    async def interrupt(self, session: AsyncmySession) -> None:
+        with contextlib.suppress(Exception):
+            session.conn.close()  # its wait fails at once
