@@ -25,7 +25,7 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.io.pymysql import LeanPool, server_hung_up
+from latchkey.stores.io.pymysql import LeanPool
 from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend, connect_args
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
