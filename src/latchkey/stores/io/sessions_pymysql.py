@@ -24,6 +24,7 @@ from typing import Any
 
 import pymysql
 
+from latchkey.stores.io.pymysql import connect, socket_of
 from latchkey.stores.io.sessions import Session, SessionDriver
 from latchkey.stores.mysql import connect_args
 from latchkey.stores.sessionlocks import ROWS, YES, Statement
@@ -53,16 +54,9 @@ class PyMySQLSessions(SessionDriver):
         self.args = connect_args(backend)
 
     def connect(self, spare: bool) -> MySession:
-        args = self.args
-        sock = socket.create_connection((args["host"], args["port"]), args["connect_timeout"])
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            conn = pymysql.connect(**args, defer_connect=True)
-            conn.connect(sock)
-        except BaseException:
-            sock.close()
-            raise
+        conn = connect(self.args)  # on a socket of our own (latchkey.stores.io.pymysql)
+        sock = socket_of(conn)
+        assert sock is not None
         return MySession(conn, sock, spare)
 
     def execute(self, session: MySession, statement: Statement, params: Any) -> Any:
