@@ -1,0 +1,373 @@
+"""The checker: reads a chaos run's history (history.py) and lists every violation of
+latchkey's guarantees. Times are the recorder's; see history.py for why the intervals it
+reads are conservative (an operation surely started after its recorded invocation... no:
+surely started no earlier than... see below).
+
+Definitions, per operation ``op`` (recorder clock): ``op.inv`` is no later than the call
+really started, ``op.ret`` no earlier than it really ended. A lease granted by ``op`` started
+in the store at some moment in [inv, ret] and lasts its TTL by the store's clock; every
+successful extend pushes its end to at least (extend.inv + ttl). So a lease is *surely live*
+from its grant's ``ret`` until the earliest of: its end's lower bound (scaled by ``RATE`` for
+clock-rate differences, minus ``SLACK``) and the invocation of its owner's release. Two
+surely-live leases of one mutex never overlap; at most ``limit`` of a semaphore do.
+
+The rules checked:
+
+1. ``overlap``: no grant while the previous holder's lease could not have ended (mutex:
+   surely-live intervals disjoint; semaphore: at most ``limit`` at once).
+2. ``token-order``: of two grants of one name where one returned before the other was
+   invoked, the later has the larger fencing token.
+3. ``stale-action``: a holder never acts (passes ``check()``) after a later grant of its name
+   returned — its check began after that grant, so its lease had surely ended.
+4. ``lost-update``: every write the register accepted continued the chain (the value the
+   writer read under its lock was still the register's value).
+5. ``non-holder``: a release or extend of a lease never succeeds once a later grant of the
+   name (another owner's) had returned before the call began.
+6. ``record``: the record's final value is the number of successful updates (plus at most
+   the number whose outcome is unknown).
+7. ``slow-call``: every call returned within its wait + the store timeout + ``MARGIN``.
+8. ``heal-to-grant`` / ``kill-to-grant``: after a fault healed, some name is granted again
+   within ``heal_bound``; after a holder was SIGKILLed, its name within TTL + ``kill_bound``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.faults.history import History, Op
+
+RATE = 0.99  # a store's second may be 1% shorter than the recorder's
+SLACK = 0.005  # seconds
+MARGIN = 1.0  # seconds a call may take beyond its wait + the store's timeout
+
+
+@dataclass
+class Report:
+    violations: list[str] = field(default_factory=list)
+    grants: int = 0
+    calls: int = 0
+    longest_call: float = 0.0  # seconds beyond the call's own wait
+    heal_to_grant: list[float] = field(default_factory=list)
+    kill_to_grant: list[float] = field(default_factory=list)
+    faults: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "grants": self.grants,
+            "calls": self.calls,
+            "faults": self.faults,
+            "violations": len(self.violations),
+            "longest_call_s": round(self.longest_call, 3),
+            "heal_to_grant_max_s": round(max(self.heal_to_grant, default=0.0), 3),
+            "kill_to_grant_max_s": round(max(self.kill_to_grant, default=0.0), 3),
+        }
+
+
+def granted(op: Op) -> bool:
+    return op.kind == "acquire" and isinstance(op.result, tuple) and op.result[0] == "granted"
+
+
+def succeeded(op: Op) -> bool:
+    result = op.result
+    if op.kind == "release":
+        return isinstance(result, tuple) and result[0] == "ok" and result[1] is True
+    if op.kind == "stale_release":
+        return result is True
+    if op.kind in ("extend", "stale_extend"):
+        return isinstance(result, tuple) and result[0] == "ok"
+    return False
+
+
+@dataclass
+class Lease:
+    grant: Op
+    worker: int
+    token: int | None
+    start: float  # grant.ret
+    end: float  # surely live until then
+    ops: list[Op]
+    epoch: int | None = 0  # see check(): leases of different epochs have unrelated tokens
+
+    @property
+    def lid(self) -> str:
+        return str(self.grant.args.get("lid", ""))
+
+
+def check(
+    history: History,
+    *,
+    timeout: float,
+    semaphores: dict[str, int],
+    records: list[str],
+    record_values: dict[str, int],
+    fencing: bool = True,
+    heal_bound: float | None = None,
+    kill_bound: float | None = None,
+    cuts: tuple[str, ...] = (),
+    records_cut: bool = False,
+    ttl_bounded: bool = True,
+) -> Report:
+    """``cuts``: the kinds of fault that may end every lease at once, by the store's own
+    rules — a restart of a store that keeps nothing on disk, a dropped connection of a
+    session-tied store. A lease granted before such a fault is surely live only until the
+    fault began, and its holder's later steps and writes are not held against the store
+    (it cannot know before its next renewal: the documented limit of those stores).
+    ``records_cut``: such a fault also forgets the records (only updates after the last one
+    are counted). ``ttl_bounded``: False for session-tied locks, which last until released
+    (or their session ends), not for a TTL."""
+    report = Report()
+    cut_times = sorted(f.start for f in history.faults if f.kind in cuts)
+    for fault in history.faults:
+        report.faults[fault.kind] = report.faults.get(fault.kind, 0) + 1
+    ops = sorted(history.ops, key=lambda op: op.inv)
+    report.calls = sum(1 for op in ops if op.ret is not None)
+    leases = _leases(ops, ttl_bounded)
+    report.grants = sum(len(v) for v in leases.values())
+    cut_leases: dict[str, float] = {}  # lease (its Lock object's id) -> when it may have ended
+    if not ttl_bounded:
+        # A session-tied lock also ends when its worker's session does: the worker died or
+        # closed its store, or one of its calls failed (the driver drops a session it cannot
+        # trust).
+        ends: dict[int, list[float]] = defaultdict(list)
+        for op in ops:
+            if isinstance(op.result, tuple) and op.result[:2] == ("error", "StoreUnavailable"):
+                ends[op.worker].append(op.inv)
+        for worker, at in [*history.kills, *history.exits]:
+            ends[worker].append(at)
+        for items in leases.values():
+            for lease in items:
+                gone = [t for t in ends.get(lease.worker, ()) if lease.grant.inv < t < lease.end]
+                if gone:
+                    lease.end = min(gone)
+                    cut_leases[lease.lid] = min(gone)
+    for items in leases.values():
+        for lease in items:
+            # The epoch: how many cuts came before the grant; None if one came during it (the
+            # lease may belong to either side: it is compared with nothing).
+            before = sum(1 for t in cut_times if t <= lease.grant.inv)
+            during = any(lease.grant.inv < t < lease.start for t in cut_times)
+            lease.epoch = None if during else before
+            cut = next((t for t in cut_times if lease.grant.inv < t < lease.end), None)
+            if cut is not None:
+                lease.end = min(lease.end, cut)
+                cut_leases[lease.lid] = min(cut, cut_leases.get(lease.lid, cut))
+    for name, items in leases.items():
+        limit = semaphores.get(name, 1)
+        _overlaps(report, name, items, limit)
+        if fencing and limit == 1:
+            _token_order(report, name, items, cut_times)
+    _stale_actions(report, history, leases, semaphores, cut_leases)
+    _non_holders(report, ops, leases, semaphores)
+    for write in history.writes:
+        cut = cut_leases.get(write.lid)
+        if cut is not None and write.at > cut:
+            continue  # its lease may have vanished with the fault: see ``cuts``
+        if write.accepted and not write.chained:
+            report.violations.append(
+                f"lost-update: {write.name}: worker {write.worker} (token {write.token}) wrote "
+                f"{write.new} over a value it had not read (it read {write.prev})"
+            )
+    since = max((t for t in cut_times), default=float("-inf")) if records_cut else float("-inf")
+    for name in records:
+        updates = [op for op in ops if op.kind == "update" and op.name == name and op.inv > since]
+        done = sum(1 for op in updates if _ok(op))
+        unknown = sum(1 for op in updates if not _ok(op))
+        value = record_values.get(name, 0)
+        if not done <= value <= done + unknown:
+            report.violations.append(
+                f"record: {name} is {value} after {done} successful updates ({unknown} unknown)"
+            )
+    stopped = [
+        (int(f.detail.split()[-1]), f.start, f.end or f.start)
+        for f in history.faults
+        if f.kind == "worker-stop"
+    ]
+    for op in ops:
+        if op.ret is None or any(
+            w == op.worker and start < op.ret and op.inv < end for w, start, end in stopped
+        ):  # a worker SIGSTOPped during its call: slow on purpose
+            continue
+        allowed = float(op.args.get("wait") or 0) + timeout + MARGIN
+        took = op.ret - op.inv
+        report.longest_call = max(report.longest_call, took - float(op.args.get("wait") or 0))
+        if took > allowed:
+            report.violations.append(
+                f"slow-call: {op.kind} {op.name} by worker {op.worker} took {took:.2f}s "
+                f"(wait {op.args.get('wait') or 0} + timeout {timeout} + {MARGIN})"
+            )
+    grant_times = sorted(lease.start for items in leases.values() for lease in items)
+    if heal_bound is not None:
+        for fault in history.faults:
+            if fault.end is None or fault.kind.startswith("worker"):
+                continue
+            later = [t for t in grant_times if t >= fault.end]
+            if later:
+                delay = later[0] - fault.end
+                report.heal_to_grant.append(delay)
+                if delay > heal_bound:
+                    report.violations.append(
+                        f"heal-to-grant: {delay:.2f}s after {fault.kind} healed "
+                        f"(bound {heal_bound}s)"
+                    )
+    if kill_bound is not None:
+        _kill_to_grant(report, history, leases, kill_bound)
+    return report
+
+
+def _ok(op: Op) -> bool:
+    return isinstance(op.result, int) or (isinstance(op.result, tuple) and op.result[:1] == ("ok",))
+
+
+def _leases(ops: list[Op], ttl_bounded: bool) -> dict[str, list[Lease]]:
+    """Every granted lease with the interval in which it was surely live. A lease's calls are
+    linked to it by the worker's id of its Lock object (``lid``)."""
+    by_lid: dict[str, list[Op]] = defaultdict(list)
+    for op in ops:
+        by_lid[op.args.get("lid", f"op{op.id}")].append(op)
+    leases: dict[str, list[Lease]] = defaultdict(list)
+    for op in ops:
+        if not granted(op) or op.ret is None:
+            continue
+        token = op.result[1]
+        ttl = float(op.args["ttl"])
+        end = op.inv + ttl * RATE - SLACK if ttl_bounded else float("inf")
+        mine = [o for o in by_lid[op.args.get("lid", "")] if o is not op and o.inv > op.inv]
+        for o in mine:
+            if o.kind in ("extend", "stale_extend") and succeeded(o) and ttl_bounded:
+                end = max(end, o.inv + float(o.args.get("ttl", ttl)) * RATE - SLACK)
+        releases = [o.inv for o in mine if o.kind in ("release", "stale_release")]
+        if releases:
+            end = min(end, releases[0])
+        leases[op.name].append(Lease(op, op.worker, token, op.ret, end, mine))
+    for items in leases.values():
+        items.sort(key=lambda lease: lease.start)
+    return leases
+
+
+def _token_of(op: Op) -> Any:
+    return op.args.get("token")
+
+
+def _overlaps(report: Report, name: str, items: list[Lease], limit: int) -> None:
+    events = sorted(
+        [(lease.start, 1, lease) for lease in items if lease.end > lease.start]
+        + [(lease.end, -1, lease) for lease in items if lease.end > lease.start],
+        key=lambda e: (e[0], e[1]),
+    )
+    live: list[Lease] = []
+    for _, delta, lease in events:
+        if delta < 0:
+            live.remove(lease)
+            continue
+        live.append(lease)
+        if len(live) > limit:
+            held = ", ".join(f"worker {x.worker} token {x.token}" for x in live)
+            report.violations.append(f"overlap: {name}: {len(live)} > {limit} surely live: {held}")
+
+
+def _token_order(report: Report, name: str, items: list[Lease], cut_times: list[float]) -> None:
+    for a in items:
+        for b in items:
+            if a.epoch is None or a.epoch != b.epoch:
+                continue  # a restart of a store that keeps nothing between them: see ``cuts``
+            if (
+                a.grant.ret is not None
+                and a.grant.ret < b.grant.inv
+                and a.token is not None
+                and b.token is not None
+                and not b.token > a.token
+            ):
+                report.violations.append(
+                    f"token-order: {name}: token {b.token} granted after {a.token}"
+                )
+
+
+def _stale_actions(
+    report: Report,
+    history: History,
+    leases: dict[str, list[Lease]],
+    semaphores: dict[str, int],
+    cut_leases: dict[str, float],
+) -> None:
+    for step in history.steps:
+        if not step.ok or step.name in semaphores or step.token is None:
+            continue
+        cut = cut_leases.get(step.lid)
+        if cut is not None and step.at > cut:
+            continue
+        own = [
+            x
+            for x in leases.get(step.name, ())
+            if x.worker == step.worker and x.token == step.token and x.start <= step.at
+        ]
+        epoch = own[-1].epoch if own else None
+        if epoch is None:
+            continue
+        for lease in leases.get(step.name, ()):
+            if lease.epoch != epoch:
+                continue
+            if lease.token is not None and lease.token > step.token and lease.start < step.at:
+                report.violations.append(
+                    f"stale-action: {step.name}: worker {step.worker} acted with token "
+                    f"{step.token} after token {lease.token} had been granted"
+                )
+                break
+
+
+def _non_holders(
+    report: Report, ops: list[Op], leases: dict[str, list[Lease]], semaphores: dict[str, int]
+) -> None:
+    for op in ops:
+        if op.name in semaphores or not succeeded(op) or op.kind not in (
+            "release", "stale_release", "extend", "stale_extend"
+        ):  # fmt: skip
+            continue
+        token = _token_of(op)
+        own = [
+            x
+            for x in leases.get(op.name, ())
+            if x.worker == op.worker and x.token == token and x.start <= op.inv
+        ]
+        if not own or own[-1].epoch is None:
+            continue
+        for lease in leases.get(op.name, ()):
+            if lease.epoch != own[-1].epoch:
+                continue
+            if (
+                token is not None
+                and lease.token is not None
+                and lease.token > token
+                and lease.start < op.inv
+            ):
+                report.violations.append(
+                    f"non-holder: {op.kind} of {op.name} by worker {op.worker} (token {token}) "
+                    f"succeeded after worker {lease.worker} was granted token {lease.token}"
+                )
+                break
+
+
+def _kill_to_grant(
+    report: Report, history: History, leases: dict[str, list[Lease]], bound: float
+) -> None:
+    for worker, at in history.kills:
+        for name, items in leases.items():
+            held = [x for x in items if x.worker == worker and x.start < at and not _released(x)]
+            if not held:
+                continue
+            ttl = float(held[-1].grant.args["ttl"])
+            after = [x.start for x in items if x.worker != worker and x.start > at]
+            if not after:
+                continue
+            delay = after[0] - at
+            report.kill_to_grant.append(max(0.0, delay - ttl))
+            if delay > ttl + bound:
+                report.violations.append(
+                    f"kill-to-grant: {name} granted {delay:.2f}s after its holder was killed "
+                    f"(TTL {ttl}s + bound {bound}s)"
+                )
+
+
+def _released(lease: Lease) -> bool:
+    return any(o.kind == "release" and o.ret is not None for o in lease.ops)

@@ -1,0 +1,324 @@
+"""A chaos run: real server, a proxy in front of it, worker processes, faults, the checker.
+
+``run(store, seconds=…)`` starts a disposable server for ``store`` (tests/servers; SQLite
+needs none), a :class:`~tests.faults.proxy.Proxy` in front of it, the recorder, and
+``workers`` processes (tests/faults/worker.py, some with their wall clock offset), then
+injects faults one after another until ``seconds`` have passed, waits for the workers, reads
+the final record values and runs the checker. Faults (each held for a second or two, then
+healed):
+
+- network, through the proxy: ``latency`` (+50 ms each way), ``blackhole`` (nothing
+  forwarded, nothing reset), ``reset`` (every connection reset at once);
+- server: ``freeze`` (SIGSTOP … SIGCONT), ``restart`` (SIGTERM, start again on the same
+  data), ``kill`` (SIGKILL, start again);
+- client: ``worker-stop`` (SIGSTOP a worker past its leases' TTL, then SIGCONT),
+  ``worker-kill`` (SIGKILL a worker, start a new one in its place).
+
+Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import latchkey
+from tests import servers
+from tests.faults.checker import Report, check
+from tests.faults.history import Recorder
+from tests.faults.proxy import Proxy
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER_OF = {
+    "sqlite": None, "postgresql": "postgresql", "postgresql+advisory": "postgresql",
+    "mysql": "mysql", "mysql+getlock": "mysql", "redis": "redis", "memcached": "memcached",
+    "mongodb": "mongodb",
+}  # fmt: skip
+NETWORK = ("latency", "blackhole", "reset")
+#: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
+#: runs freeze them but do not restart them; scripts/chaos --restarts does.
+SLOW_RESTART = ("mongodb",)
+SERVER = ("freeze", "restart", "kill")
+CLIENT = ("worker-stop", "worker-kill")
+
+
+@dataclass
+class Outcome:
+    store: str
+    seconds: float
+    report: Report
+    timeout: float
+    ttl: float
+    history: Any = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"store": self.store, "seconds": round(self.seconds, 1), "timeout_s": self.timeout,
+                "ttl_s": self.ttl, **self.report.summary()}  # fmt: skip
+
+
+def run(
+    store: str,
+    seconds: float = 20.0,
+    *,
+    workers: int = 4,
+    faults: tuple[str, ...] | None = None,
+    variant: str | None = None,
+    seed: int | None = None,
+    ttl: float = 1.0,
+    timeout: float = 2.0,
+    clock_offsets: tuple[float, ...] = (0.0, 3.0, -3.0),
+    workdir: Path | None = None,
+) -> Outcome:
+    rng = random.Random(seed)
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
+    kind = SERVER_OF[store]
+    server = None
+    proxy = None
+    if kind is None:
+        url = f"sqlite:///{tmp}/chaos.db?timeout={timeout}s"
+        allowed: tuple[str, ...] = CLIENT
+    else:
+        servers.load_all()
+        given = os.environ.get(servers.SERVERS[kind].env_var)
+        if given:  # an existing server: the network and clients are broken, never the server
+            base_url, port = given, urlsplit(given).port or 0
+        else:
+            server = servers.SERVERS[kind].start(tmp / kind)
+            base_url, port = server.url, server.port
+        proxy = Proxy("127.0.0.1", port)
+        base = servers.replace_scheme(base_url, store) if store != kind else base_url
+        netloc = urlsplit(base).netloc
+        host_port = netloc.rsplit("@", 1)[-1]
+        url = base.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
+        url = servers.with_query(url, timeout=f"{timeout}s")
+        allowed = NETWORK + CLIENT
+        if server is not None:
+            restarts = server.restart_cmd is not None and kind not in SLOW_RESTART
+            allowed += SERVER if restarts else ("freeze",)
+    if faults is not None:
+        allowed = tuple(f for f in allowed if f in faults)
+    caps = latchkey.connect(url).capabilities
+    names = [f"hot-{i}" for i in range(2)]
+    semaphore = "pool"
+    record = "counter"
+    recorder = Recorder()
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def spawn(worker: int, run_for: float) -> None:
+        config = {
+            "url": url, "worker": worker, "recorder": recorder.address, "seed": rng.random(),
+            "names": names, "semaphore": semaphore, "record": record, "ttl": ttl, "limit": 2,
+            "seconds": run_for, "variant": variant, "stop": str(tmp / "stop"),
+            "clock_offset": clock_offsets[worker % len(clock_offsets)],
+        }  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}/src{os.pathsep}{ROOT}"}
+        procs[worker] = subprocess.Popen(
+            [sys.executable, "-m", "tests.faults.worker", json.dumps(config)], cwd=ROOT, env=env
+        )
+
+    started = time.monotonic()
+    end = started + seconds
+    try:
+        for w in range(workers):
+            spawn(w, seconds + 60)  # they stop when the file "stop" appears
+        next_worker = workers
+        warm = time.monotonic() + 30  # faults start once the workers work (first grant)
+        while (
+            time.monotonic() < warm
+            and not recorder.holders()
+            and not any(
+                op.result and op.result[0] == "granted" for op in list(recorder.history.ops)
+            )
+        ):
+            time.sleep(0.05)
+        end = max(end, time.monotonic() + seconds * 0.8)
+        schedule: list[str] = []
+        while time.monotonic() < end - 2 and allowed:
+            if not schedule:  # every kind once per round, in a random order
+                schedule = rng.sample(allowed, len(allowed))
+            fault = schedule.pop()
+            _inject(fault, rng, recorder, proxy, server, procs, ttl)
+            if fault == "worker-kill":
+                spawn(next_worker, seconds + 60)
+                next_worker += 1
+            time.sleep(rng.uniform(0.5, 1.5))
+        while time.monotonic() < end:
+            time.sleep(0.05)
+        (tmp / "stop").touch()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        values = {}
+        if caps.records:
+            with latchkey.connect(url) as reader:
+                values[record] = int(reader.record(record).get()[0] or 0)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+        if proxy is not None:
+            proxy.close()
+        if server is not None:
+            _resume(server)
+            server.stop()
+        recorder.close()
+    report = check(
+        recorder.history,
+        timeout=timeout,
+        semaphores={semaphore: 2},
+        records=[record] if caps.records else [],
+        record_values=values,
+        fencing=caps.fencing,
+        heal_bound=2 * timeout + ttl + 4.0,
+        kill_bound=timeout + 2.0,
+        cuts=_cuts(caps),
+        records_cut=not caps.durable,
+        ttl_bounded=caps.ttl,
+    )
+    return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
+
+
+def _inject(
+    fault: str,
+    rng: random.Random,
+    recorder: Recorder,
+    proxy: Proxy | None,
+    server: servers.RunningServer | None,
+    procs: dict[int, subprocess.Popen[bytes]],
+    ttl: float,
+) -> None:
+    hold = rng.uniform(1.0, 2.0)
+    live = [w for w, p in procs.items() if p.poll() is None]
+    if fault.startswith("worker") and not live:
+        return
+    record = recorder.fault(fault)
+    if fault == "latency" and proxy is not None:
+        proxy.set("pass", latency=0.05)
+        time.sleep(hold)
+        proxy.heal()
+    elif fault == "blackhole" and proxy is not None:
+        proxy.set("blackhole")
+        time.sleep(hold)
+        proxy.reset()  # the clients' timeouts closed their ends; drop the stuck pumps too
+        proxy.heal()
+    elif fault == "reset" and proxy is not None:
+        proxy.reset()
+    elif fault == "freeze" and server is not None:
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(hold)
+        os.kill(server.pid, signal.SIGCONT)
+    elif fault in ("restart", "kill") and server is not None:
+        if fault == "kill":  # the server and its children, as when its machine dies
+            tree = [server.pid, *_children(server.pid)]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            servers.wait_port_closed(server.port)
+            _wait_gone(tree)
+            data, sockets = server.extra.get("data"), server.extra.get("sockets")
+            if data and sockets:  # PostgreSQL: the dead postmaster may linger as a zombie
+                # nobody reaps (this sandbox's init does not), and a zombie's pid "exists"
+                Path(str(data), "postmaster.pid").unlink(missing_ok=True)
+                for lock in Path(str(sockets)).glob(".s.PGSQL.*.lock"):
+                    lock.unlink(missing_ok=True)
+        else:
+            server.stop()
+        server.start()
+    elif fault == "worker-stop":
+        holders = [w for w in live if w in recorder.holders()]
+        victim = rng.choice(holders or live)  # a holder if there is one: the telling case
+        record.detail = f"worker {victim}"
+        procs[victim].send_signal(signal.SIGSTOP)
+        time.sleep(ttl * 2)
+        procs[victim].send_signal(signal.SIGCONT)
+    elif fault == "worker-kill":
+        holders = [w for w in live if w in recorder.holders()]
+        victim = rng.choice(holders or live)
+        record.detail = f"worker {victim}"
+        recorder.killed(victim)
+        procs[victim].kill()
+        procs[victim].wait()
+    recorder.healed(record)
+
+
+def _cuts(caps: Any) -> tuple[str, ...]:
+    """The faults that end every lease at once on this store (see checker.check)."""
+    if caps.session_tied:  # a lock lives as long as its connection
+        return ("reset", "blackhole", "freeze", "restart", "kill")
+    if not caps.durable:  # a restart forgets every lease
+        return ("restart", "kill")
+    return ()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    """Until every one of ``pids`` has exited (a zombie child of ours is reaped)."""
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _running(p)]
+        time.sleep(0.02)
+
+
+def _running(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _resume(server: servers.RunningServer) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A latchkey chaos run against a real server.")
+    parser.add_argument("--store", required=True, choices=sorted(SERVER_OF))
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    outcome = run(args.store, args.minutes * 60, workers=args.workers, seed=args.seed)
+    summary = outcome.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:22} {value}")
+    for violation in outcome.report.violations[:50]:
+        print(f"VIOLATION {violation}", file=sys.stderr)
+    sys.exit(1 if outcome.report.violations else 0)
+
+
+if __name__ == "__main__":
+    main()

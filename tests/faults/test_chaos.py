@@ -1,0 +1,60 @@
+"""The chaos run (tests/faults/run.py) on every store, and the proof that its checker bites.
+
+Each store gets a short run here — a real server of its own behind a breaking proxy, four
+worker processes, every fault kind the store allows at least once — and must show no
+violation. The long runs are ``scripts/chaos --store S --minutes 10`` (docs/reliability.md).
+Then the checker is shown four deliberately broken latchkeys and must catch each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests import servers
+from tests.conftest import ROWS
+from tests.faults.run import SERVER_OF, run
+
+#: Seconds of chaos per store in the test command (the long run is scripts/chaos).
+SECONDS = float(os.environ.get("LATCHKEY_CHAOS_SECONDS", "14"))
+CHAOS_ROWS = [row for row in ROWS if row.id in SERVER_OF]
+
+
+def _run(store: str, **kwargs: object) -> object:
+    try:
+        return run(store, **kwargs)  # type: ignore[arg-type]
+    except servers.ServerUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"{store}: server required in CI but unavailable: {exc}")
+        pytest.skip(f"{store}: not run: {exc}")
+
+
+@pytest.mark.parametrize("row", CHAOS_ROWS, ids=[row.id for row in CHAOS_ROWS])
+def test_a_chaos_run_finds_no_violation(row: servers.StoreRow) -> None:
+    outcome = _run(row.id, seconds=SECONDS, workers=4, seed=20261125)
+    report = outcome.report  # type: ignore[attr-defined]
+    print(outcome.summary())  # type: ignore[attr-defined]  # shown with -s / on failure
+    assert report.grants > 10, "too few grants to prove anything"
+    assert report.faults, "no fault was injected"
+    assert not report.violations, "\n".join(report.violations[:30])
+
+
+BROKEN = {
+    # variant: (store, faults, the checks expected to catch it)
+    "release-without-owner-check": ("sqlite", None, {"overlap", "non-holder", "stale-action"}),
+    "client-clock-expiry": ("sqlite", None, {"overlap", "stale-action"}),
+    "renewer-ignores-deadline": ("sqlite", ("worker-stop",), {"stale-action", "overlap"}),
+    "grant-on-error": ("redis", ("reset", "blackhole"), {"overlap", "token-order", "lost-update"}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN))
+def test_the_checker_catches_a_broken_latchkey(variant: str) -> None:
+    store, faults, expected = BROKEN[variant]
+    if not any(row.id == store for row in ROWS):
+        pytest.skip(f"{variant}: runs on {store}, which is not selected (LATCHKEY_TEST_STORES)")
+    outcome = _run(store, seconds=SECONDS, workers=4, seed=7, variant=variant, faults=faults)
+    report = outcome.report  # type: ignore[attr-defined]
+    caught = {violation.split(":", 1)[0] for violation in report.violations}
+    assert caught & expected, f"{variant} was not caught: {outcome.summary()}"  # type: ignore[attr-defined]
