@@ -131,14 +131,15 @@ class AsyncPool(Generic[C]):
                 await self.discard(conn)
                 raise
             await self.discard(conn)
-        self._busy[id(self)] = generation  # a place, taken before the await
+        place = object()  # one per caller: several may be opening at once
+        self._busy[id(place)] = generation  # a place, taken before the await
         try:
             conn = await self._open()
         except BaseException:
-            self._busy.pop(id(self), None)
+            self._busy.pop(id(place), None)
             await self._notify()
             raise
-        self._busy.pop(id(self), None)
+        self._busy.pop(id(place), None)
         self._busy[id(conn)] = generation
         return conn
 
