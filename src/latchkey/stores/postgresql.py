@@ -377,7 +377,7 @@ SELECT EXISTS (SELECT 1 FROM gone)
     def create(self) -> Steps[None]:
         """Create what is missing, one process at a time; refuse tables from a newer version."""
         schema = f'CREATE SCHEMA IF NOT EXISTS "{self.schema}";' if self.schema else ""
-        yield Query(self.CREATE.replace(";", ";" + schema, 1))  # the schema after the lock
+        yield Query(self.CREATE.replace(";", ";" + schema, 1), None)  # None: one script
         rows, _ = yield Query(self.SELECT_VERSION)
         found = int(rows[0][0]) if rows else SCHEMA_VERSION
         if found > SCHEMA_VERSION:

@@ -403,11 +403,11 @@ class Link(Session):
             return self.execute(request[0], request[1])
         return self.driver.listen(request)
 
-    def execute(self, query: str, params: Sequence[Any]) -> tuple[list[Any], int]:
+    def execute(self, query: str, params: Sequence[Any] | None) -> tuple[list[Any], int]:
         """One statement through psycopg, ``$n`` placeholders: (rows, rowcount)."""
         assert self.conn is not None
         cur = psycopg.RawCursor(self.conn)
-        cur.execute(query, params)
+        cur.execute(query, params, prepare=params is not None)  # None: a script, run as is
         # Whether it returned rows, read off the result's status: cur.description would
         # build a Column object per column on every call.
         result = cur.pgresult

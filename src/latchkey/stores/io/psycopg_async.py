@@ -409,14 +409,14 @@ class AsyncLink(AsyncSession):
             return await self.execute(request[0], request[1])
         return await self.driver.listen(request)
 
-    async def execute(self, query: str, params: Sequence[Any]) -> tuple[list[Any], int]:
+    async def execute(self, query: str, params: Sequence[Any] | None) -> tuple[list[Any], int]:
         """One statement through psycopg, ``$n`` placeholders: (rows, rowcount)."""
         conn = self.conn
         assert conn is not None
 
         async def run() -> tuple[list[Any], int]:
             cur = psycopg.AsyncRawCursor(conn)
-            await cur.execute(query, params, prepare=None if params else False)
+            await cur.execute(query, params, prepare=params is not None)  # None: a script
             result = cur.pgresult
             tuples = result is not None and result.status == TUPLES_OK
             return (await cur.fetchall() if tuples else []), cur.rowcount
@@ -446,6 +446,10 @@ class AsyncPsycopgDriver(AsyncDriver):
         self.timeout = backend.timeout
         self.params = connection_params(backend.url, backend.config, "latchkey")
         self.pool: AsyncPool[AsyncLink] = AsyncPool(self._open, _close, alive=_alive)
+        # Callers take turns for the pool's connections first come, first served (asyncio's
+        # Semaphore is fair; the pool alone lets a newcomer take a connection freed for a
+        # caller already waiting, and 1,000 polling waiters starved some past the timeout).
+        self.turns = asyncio.Semaphore(self.pool.size)
         session = AsyncSession(self.params, self.timeout)  # the listener's connect and deadlines
         self.listener = AsyncListener(session, store.channel, self._unclaimed)
 
@@ -460,20 +464,21 @@ class AsyncPsycopgDriver(AsyncDriver):
     async def run(self, steps: Steps[T], action: str) -> T:
         pool = self.pool
         try:
-            link = await pool.get(self.timeout)
-            try:
-                result = await adrive(steps, link.answer)
-            except Exception as exc:
-                if link.usable() and not isinstance(exc, asyncio.TimeoutError):
-                    await pool.put(link)
-                else:
-                    await pool.discard(link)  # half-read: never reused
-                raise
-            except BaseException:  # cancelled mid-statement: never reused
-                await asyncio.shield(pool.discard(link))
-                raise
-            await pool.put(link)
-            return result
+            async with self.turns:
+                link = await pool.get(self.timeout)
+                try:
+                    result = await adrive(steps, link.answer)
+                except Exception as exc:
+                    if link.usable() and not isinstance(exc, asyncio.TimeoutError):
+                        await pool.put(link)
+                    else:
+                        await pool.discard(link)  # half-read: never reused
+                    raise
+                except BaseException:  # cancelled mid-statement: never reused
+                    await asyncio.shield(pool.discard(link))
+                    raise
+                await pool.put(link)
+                return result
         except StoreUnavailable:
             raise
         except self.errors as exc:
