@@ -20,7 +20,7 @@ import time
 
 import psycopg
 
-from latchkey.stores.postgresql_async import AsyncSession
+from latchkey.stores.io.psycopg_async import AsyncSession
 
 QUERY = b"SELECT 1"
 

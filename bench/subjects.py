@@ -472,19 +472,21 @@ class RawPGSameSQL:
         backend = store.backend
         assert isinstance(backend, postgresql.PostgreSQLBackend)
         self.conn = psycopg.connect(url, autocommit=True)
-        self.acquire_sql = backend._render(self.conn, postgresql.ACQUIRE_MUTEX)
-        self.release_sql = backend._render(self.conn, postgresql.RELEASE)
-        self.channel = backend.channel
+        # The store's statements as it renders them: $n placeholders, run by a RawCursor.
+        self.acquire_sql = backend.store.ACQUIRE_MUTEX  # type: ignore[attr-defined]
+        self.release_sql = backend.store.RELEASE  # type: ignore[attr-defined]
         self.info = Owner.current().to_json()
+        self.cursor = psycopg.RawCursor
         store.close()
 
     def take(self, name: str, owner: str) -> bool:
-        params = {"name": name.encode(), "owner": owner, "owner_info": self.info, "ttl": 30.0}
-        return bool(self.conn.execute(self.acquire_sql, params, prepare=True).fetchall())
+        params = (name.encode(), owner, self.info, 30.0)
+        cur = self.cursor(self.conn)
+        return bool(cur.execute(self.acquire_sql, params, prepare=True).fetchall())
 
     def give_back(self, name: str, owner: str) -> None:
-        params = {"name": name.encode(), "owner": owner, "channel": self.channel}
-        self.conn.execute(self.release_sql, params, prepare=True).fetchall()
+        params = (name.encode(), owner)
+        self.cursor(self.conn).execute(self.release_sql, params, prepare=True).fetchall()
 
     def make(self, name: str) -> Handle:
         return RawSameSQLHandle(self, name)
@@ -577,13 +579,11 @@ register(
 
 class RawPGSameSQLPQ(RawPGSameSQL):
     def __init__(self, url: str) -> None:
-        from latchkey.stores.postgresql import positional
-
         super().__init__(url)
         pg = self.conn.pgconn
         self.pg = pg
         for stmt, text in ((b"acq", self.acquire_sql), (b"rel", self.release_sql)):
-            if pg.prepare(stmt, positional(text)[0]).status != 1:  # COMMAND_OK
+            if pg.prepare(stmt, text.encode()).status != 1:  # COMMAND_OK
                 raise RuntimeError(pg.error_message)
 
     def take(self, name: str, owner: str) -> bool:
@@ -591,8 +591,7 @@ class RawPGSameSQLPQ(RawPGSameSQL):
         return bool(self.pg.exec_prepared(b"acq", values, [1, 0, 0, 0], 1).ntuples)
 
     def give_back(self, name: str, owner: str) -> None:
-        values = [name.encode(), owner.encode(), self.channel.encode()]
-        self.pg.exec_prepared(b"rel", values, [1, 0, 0], 1)
+        self.pg.exec_prepared(b"rel", [name.encode(), owner.encode()], [1, 0], 1)
 
 
 class RawPGAdvisoryPQHandle(RawPGHandle):

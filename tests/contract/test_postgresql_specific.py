@@ -30,8 +30,14 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.pg_advisory import AdvisoryBackend, AsyncAdvisoryBackend, advisory_key
-from latchkey.stores.postgresql import SCHEMA_VERSION, PostgreSQLBackend, positional
+from latchkey.stores.io.psycopg import Link
+from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
+from latchkey.stores.postgresql import (
+    SCHEMA_VERSION,
+    AsyncPostgreSQLBackend,
+    PostgreSQLBackend,
+    positional,
+)
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, free_port
@@ -52,6 +58,14 @@ def _skip_or_fail(reason: str) -> None:
 
 def _owner() -> str:
     return uuid.uuid4().hex
+
+
+def _session(backend: Any) -> Any:
+    """The session the next statement runs on: the lease table's most recently used pooled
+    connection (a Session), the advisory store's session."""
+    if isinstance(backend, (PostgreSQLBackend, AsyncPostgreSQLBackend)):
+        return backend.io.pool._idle[-1][0]
+    return backend.io.main
 
 
 @pytest.fixture
@@ -103,13 +117,6 @@ def own_server(tmp_path: Path) -> Iterator[RunningServer]:
         raise AssertionError("unreachable") from exc
     yield server
     server.stop()
-
-
-def _main_session(b: Any) -> Any:
-    """The session a backend's uncontended acquire and release run on."""
-    if isinstance(b, (AdvisoryBackend, AsyncAdvisoryBackend)):
-        return b.io.main
-    return b._session
 
 
 # -- options and layout --------------------------------------------------------------------------
@@ -236,9 +243,8 @@ def test_statements_dropped_behind_the_store_are_prepared_again(
         owner = _owner()
         assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
         assert b.release("n", owner) is True
-        session = _main_session(b)
-        conn = session.conn
-        assert conn is not None and session.prepared  # what run_prepared made
+        conn = _session(b).conn
+        assert conn is not None and _session(b).prepared  # what run_prepared made
         conn.execute("DEALLOCATE ALL")  # as psycopg does after a DROP or ROLLBACK it ran
         assert isinstance(b.acquire("n", owner, INFO, 30), Grant)
         assert b.release("n", owner) is True
@@ -269,25 +275,23 @@ def test_a_failing_statement_through_libpq_is_unavailable_with_the_servers_reaso
 def test_each_primitive_is_one_statement(backend: PostgreSQLBackend) -> None:
     backend.init()
     backend.now()  # connected, statements rendered
-    conn = backend._session.conn
-    assert conn is not None
+    session = _session(backend)  # the one pooled connection a single thread uses
     calls: list[bytes] = []
-    original = conn.execute
+    original = session.execute
 
     def counting(query: object, *args: object, **kwargs: object) -> object:
         calls.append(query)  # type: ignore[arg-type]
-        return original(query, *args, **kwargs)  # type: ignore[arg-type]
+        return original(query, *args, **kwargs)
 
-    conn.execute = counting  # type: ignore[method-assign]
+    session.execute = counting
     # The uncontended acquire and release go through libpq directly (prepared statements).
-    session = backend._session
     run_prepared = session.run_prepared
 
     def counting_prepared(name: bytes, *args: object, **kwargs: object) -> object:
         calls.append(name)
         return run_prepared(name, *args, **kwargs)  # type: ignore[arg-type]
 
-    session.run_prepared = counting_prepared  # type: ignore[method-assign,assignment]
+    session.run_prepared = counting_prepared
     owner = _owner()
     steps = [
         lambda: backend.acquire("n", owner, INFO, 30),
@@ -609,23 +613,24 @@ def test_a_killed_waiting_process_is_passed_over_at_once(
 
 
 def test_a_queue_row_left_by_an_outage_gives_back_what_it_is_handed(
-    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
-) -> None:
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     a, b, _ = trio
     first, stale = _owner(), _owner()
     assert isinstance(a.acquire("n", first, INFO, 30), Grant)
     wb = b.wait_in_line("n", stale, INFO, 30, 1)
-    original = b._run
+    original = Link.execute
 
-    def dequeue_fails(action: str, statement: str, params: object) -> object:
-        if statement == "dequeue":
-            raise StoreUnavailable("the server went away just then")
-        return original(action, statement, params)  # type: ignore[arg-type]
+    def dequeue_fails(link: Link, query: str, params: Any) -> Any:
+        if query == b.store.DEQUEUE:  # type: ignore[attr-defined]
+            raise psycopg.OperationalError("the server went away just then")
+        return original(link, query, params)
 
-    b._run = dequeue_fails  # type: ignore[assignment,method-assign]
+    monkeypatch.setattr(Link, "execute", dequeue_fails)
     wb.finish(Grant(None, None))  # the wait ended (say it took the lock by retrying)…
     wb.close()  # …and could not leave the queue
-    b._run = original  # type: ignore[method-assign]
+    monkeypatch.undo()
     assert _queued(sql, table) == 1
     assert a.release("n", first)  # hands the lease to b's stale row: nobody waits for it
     eventually(lambda: a.inspect("n") is None, timeout=5,
@@ -1314,7 +1319,7 @@ def test_async_many_waiters_share_one_listener_and_all_get_the_lock(pg_base: str
             assert await holder.release()
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert sorted(order) == list(range(count))
-            listener = store.backend._listener  # type: ignore[attr-defined]
+            listener = store.backend.io.listener  # type: ignore[attr-defined]
             assert listener.connections == 1
 
     asyncio.run(main())
@@ -1388,8 +1393,8 @@ def test_async_statements_through_libpq_keep_the_values_and_survive_deallocate_a
             for b in (backend, advisory.backend):
                 assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
                 assert await b.release("m", owner) is True
-                assert _main_session(b).prepared  # what run_prepared made
-                conn = _main_session(b).conn
+                assert _session(b).prepared  # what run_prepared made
+                conn = _session(b).conn
                 await conn.execute("DEALLOCATE ALL")  # as psycopg does after a ROLLBACK
                 assert isinstance(await b.acquire("m", owner, INFO, 30), Grant)
                 assert await b.release("m", owner) is True
@@ -1417,7 +1422,8 @@ def test_async_a_statement_cancelled_in_flight_discards_its_connection(
             blocker = await psycopg.AsyncConnection.connect(pg_base)
             try:
                 await blocker.execute(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE')
-                conn_before = backend._session.conn
+                session = _session(backend)
+                conn_before = session.conn
                 call = (backend.acquire("n", owner, INFO, 60) if where == "acquire"
                         else backend.release("n", owner))  # fmt: skip
                 task = asyncio.ensure_future(call)
@@ -1429,7 +1435,8 @@ def test_async_a_statement_cancelled_in_flight_discards_its_connection(
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-                assert backend._session.conn is None and conn_before.closed
+                assert session.conn is None and conn_before.closed  # closed, not pooled
+                assert all(link is not session for link, _ in backend.io.pool._idle)
             finally:
                 await blocker.rollback()
                 await blocker.close()

@@ -45,8 +45,10 @@ def _store(
 BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "memory": _store("memory", "MemoryBackend", "AsyncMemoryBackend", None),
     "sqlite": _store("sqlite", "SQLiteBackend", ":AsyncSQLiteBackend", None),
-    "postgresql": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
-    "postgres": _store("postgresql", "PostgreSQLBackend", "AsyncPostgreSQLBackend", "postgresql"),
+    "postgresql": _store(
+        "postgresql", "PostgreSQLBackend", ":AsyncPostgreSQLBackend", "postgresql"
+    ),
+    "postgres": _store("postgresql", "PostgreSQLBackend", ":AsyncPostgreSQLBackend", "postgresql"),
     "postgresql+advisory": _store(
         "pg_advisory", "AdvisoryBackend", ":AsyncAdvisoryBackend", "postgresql"
     ),

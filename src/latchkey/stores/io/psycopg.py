@@ -1,0 +1,665 @@
+"""PostgreSQL through psycopg 3, sync: connections, the libpq fast path, the LISTEN listener.
+
+What the ``postgresql://`` store (:mod:`latchkey.stores.postgresql`) asks for, it asks as
+requests; :class:`PsycopgDriver` answers them:
+
+- ``Query(sql, params)`` (:mod:`latchkey.stores.sql`): one statement with ``$n`` placeholders
+  through psycopg (``RawCursor``), answered ``(rows, rowcount)``;
+- :class:`Prepared`: one hot statement through libpq directly (``psycopg.pq``, a public layer
+  of psycopg): prepared once per connection, then one ``PQexecPrepared`` per call, parameters
+  already encoded, the binary result as the answer (:meth:`Session.run_prepared`). psycopg's
+  ``execute`` builds a cursor, adapts every parameter and looks the query up in its
+  prepared-statement cache on each call: ~35 µs of CPU per uncontended acquire + release,
+  more than the rest of latchkey;
+- :class:`Listen`: a waiter woken by the store's notifications (:class:`Listener`: one
+  ``LISTEN`` connection per backend, read by one daemon thread) — a :class:`HandoffWaiter`,
+  handed a lease by a release that names its ticket.
+
+Connections come from a :class:`~latchkey.stores.io.Pool` (checked without a round trip
+before each reuse: an idle connection has nothing to read unless the server ended it), are
+never used across ``fork()``, and a connection left in an unknown state by an error is
+closed. Every wait on the network is bounded by the server (``statement_timeout``,
+``connect_timeout``) and by TCP (keepalives, ``tcp_user_timeout``): see
+:func:`connection_params`. A statement that finds the tables missing creates them (the
+store's ``create``) and runs again.
+
+:class:`Session` (one connection under a lock) is also what the ``postgresql+advisory://``
+store's session locks are held on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import re
+import secrets
+import select
+import selectors
+import threading
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import psycopg
+from psycopg import sql
+
+from latchkey._types import Busy, Grant
+from latchkey._url import Option, StoreURL, choice
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.base import EventWaiter, Waiter
+from latchkey.stores.io import Driver, Pool, Steps, after_fork, drive
+from latchkey.stores.sql import Query
+
+if TYPE_CHECKING:
+    from latchkey.stores.base import BackendBase
+
+log = logging.getLogger("latchkey")
+T = TypeVar("T")
+
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (psycopg.Error, OSError)
+TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
+COMMAND_OK = psycopg.pq.ExecStatus.COMMAND_OK
+SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
+IDLE = psycopg.pq.TransactionStatus.IDLE
+#: What a statement raises when the store's tables (or schema) are not there yet.
+MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+#: Where binary timestamptz values count microseconds from.
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+
+
+# -- the requests of the psycopg drivers ------------------------------------------------------
+
+
+class Prepared(NamedTuple):
+    """A hot statement through libpq: its prepared-statement name, its text (``$n``
+    placeholders), the parameters already encoded (text, or binary where ``formats`` says 1).
+    Answered with the binary :class:`psycopg.pq.abc.PGresult`."""
+
+    name: bytes
+    sql: bytes
+    values: tuple[bytes, ...]
+    formats: tuple[int, ...]
+
+
+class Listen(NamedTuple):
+    """A waiter for the notifications of ``key`` (a name's UTF-8 bytes in hex). With a
+    ``ticket``, a release naming it hands the waiter ``owner``'s lease on ``name``, and the
+    waiter's close runs the store's ``leave_queue``. Answered with the waiter; its
+    ``listener_key`` is the key the listener's session holds."""
+
+    key: str
+    ticket: int | None
+    name: str
+    owner: str
+
+
+# -- pure helpers, shared with the asyncio flavour -------------------------------------------
+
+
+def positional(query: bytes) -> tuple[bytes, tuple[str, ...]]:
+    """A psycopg-style query (``%(name)s`` placeholders) as a server-side one (``$1`` …) and
+    the parameter names in ``$`` order; a name used twice is one parameter."""
+    names: list[str] = []
+
+    def number(match: re.Match[bytes]) -> bytes:
+        name = match.group(1).decode()
+        if name not in names:
+            names.append(name)
+        return b"$%d" % (names.index(name) + 1)
+
+    out = re.sub(rb"%\((\w+)\)s", number, query)
+    if b"%" in out.replace(b"%%", b""):
+        raise ValueError("only %(name)s placeholders and %% are supported")
+    return out.replace(b"%%", b"%"), tuple(names)
+
+
+def result_error(result: psycopg.pq.abc.PGresult) -> psycopg.Error:
+    """The psycopg exception for a failed result, chosen by its SQLSTATE as psycopg does."""
+    state = (result.error_field(SQLSTATE) or b"").decode("ascii", "replace")
+    message = (result.error_message or b"").decode("utf-8", "replace").strip()
+    try:
+        cls: type[psycopg.Error] = psycopg.errors.lookup(state)
+    except KeyError:
+        cls = psycopg.OperationalError  # no SQLSTATE: libpq's own (the connection failed)
+    return cls(message or "the statement failed")
+
+
+def deallocated(result: psycopg.pq.abc.PGresult) -> bool:
+    """Whether a prepared statement failed because it no longer exists (SQLSTATE 26000):
+    psycopg sends DEALLOCATE ALL after a DROP or a ROLLBACK it ran on the connection."""
+    return result.error_field(SQLSTATE) == b"26000"
+
+
+def int8(value: bytes | None) -> int:
+    """A binary bigint."""
+    assert value is not None
+    return int.from_bytes(value, "big", signed=True)
+
+
+def timestamptz(value: bytes | None) -> datetime:
+    """A binary timestamptz: microseconds since 2000-01-01 UTC."""
+    return PG_EPOCH + timedelta(microseconds=int8(value))
+
+
+def utc(value: datetime) -> datetime:
+    return value.astimezone(timezone.utc)
+
+
+def handoff_grant(text: str) -> tuple[int, Grant] | None:
+    """A hand-over notice's ``ticket:token:expires_us`` → (ticket, the grant); None if
+    malformed."""
+    try:
+        ticket, token, expires_us = (int(part) for part in text.split(":"))
+    except ValueError:
+        return None
+    expires = datetime.fromtimestamp(expires_us / 1e6, timezone.utc)
+    return ticket, Grant(token=token, expires_at=expires)
+
+
+def input_waiting(fd: int) -> bool:
+    """Whether ``fd`` has something to read (or hung up), without blocking."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # Windows: no poll()
+
+
+def _text(value: str) -> str:
+    return value
+
+
+CONNECTION_OPTIONS: Mapping[str, Option] = {
+    "sslmode": Option(
+        choice("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+        None,
+        "libpq sslmode",
+    ),
+    "sslrootcert": Option(_text, None, "CA certificate file (libpq sslrootcert)"),
+    "sslcert": Option(_text, None, "client certificate file (libpq sslcert)"),
+    "sslkey": Option(_text, None, "client key file (libpq sslkey)"),
+}
+
+
+def connection_params(
+    url: StoreURL, config: Mapping[str, Any], application_name: str
+) -> dict[str, Any]:
+    """libpq parameters from the URL: timeouts and keepalives bound every wait on the network."""
+    timeout: float = config["timeout"]
+    params: dict[str, Any] = {
+        "connect_timeout": max(2, math.ceil(timeout)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, math.ceil(timeout / 2)),
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1, int(timeout * 1000)),
+        "application_name": application_name,
+        "options": f"-c statement_timeout={max(1, int(timeout * 1000))} -c TimeZone=UTC",
+    }
+    if url.hosts:
+        params["host"] = ",".join(host for host, _ in url.hosts)
+        if any(port for _, port in url.hosts):
+            params["port"] = ",".join(str(port or 5432) for _, port in url.hosts)
+    if url.username:
+        params["user"] = url.username
+    if url.password:
+        params["password"] = url.password
+    if url.path.strip("/"):
+        params["dbname"] = url.path.strip("/")
+    for key in CONNECTION_OPTIONS:
+        if config.get(key):
+            params[key] = config[key]
+    return params
+
+
+# -- fork safety -------------------------------------------------------------------------------
+
+# Connections left behind by a fork: the child must neither use nor close them (closing would
+# end the parent's session), and keeping them referenced avoids "deleted while open" warnings
+# when a pool in the child forgets them. Every connection opened here is in _OPEN; the parent
+# holds them all in _AT_FORK across fork(), so that the child has them whatever order its
+# fork hooks run in, and keeps them for ever in _FORKED_AWAY.
+_FORKED_AWAY: list[object] = []
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+_AT_FORK: list[object] = []
+_LEGACY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    with contextlib.suppress(RuntimeError):  # another thread opened one just now
+        _AT_FORK[:] = list(_OPEN)
+
+
+def _after_fork_in_child() -> None:
+    _FORKED_AWAY.extend(_AT_FORK)
+    _AT_FORK.clear()
+    for backend in list(_LEGACY):
+        backend._forget_after_fork()
+
+
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_AT_FORK.clear, after_in_child=_after_fork_in_child
+)
+
+
+def forget_in_forked_child(backend: Any) -> None:
+    """Call ``backend._forget_after_fork()`` in a child process right after a fork."""
+    _LEGACY.add(backend)
+
+
+def connect(params: Mapping[str, Any]) -> psycopg.Connection[Any]:
+    """A new autocommit connection."""
+    conn = psycopg.connect(autocommit=True, **params)
+    _OPEN.add(conn)
+    return conn
+
+
+# -- connections -------------------------------------------------------------------------------
+
+
+class Session:
+    """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.params = params
+        self.lock = threading.Lock()
+        self.conn: psycopg.Connection[Any] | None = None
+        self.generation = 0
+        """Counts connections opened: a session-tied lock is valid only in its generation."""
+        self.prepared: set[bytes] = set()
+        """Names of the statements :meth:`run_prepared` prepared on :attr:`conn`."""
+        self._poller: Any = None  # a poll() object on conn's socket, made once per connection
+        self._pid = os.getpid()
+
+    def run_prepared(
+        self, name: bytes, query: bytes, params: Sequence[bytes],
+        formats: Sequence[int] | None = None, binary: bool = False,
+    ) -> psycopg.pq.abc.PGresult:  # fmt: skip
+        """Run a hot statement through libpq directly (``psycopg.pq``): prepared once per
+        connection under ``name`` (server-side ``$n`` placeholders), then one
+        ``PQexecPrepared`` per call, parameters already encoded (text, or binary where
+        ``formats`` says 1), results as text or, with ``binary``, binary. Call under
+        :attr:`lock` with the connection open.
+
+        libpq's call releases the GIL while it waits; like every statement of ours it is
+        bounded by the server's ``statement_timeout`` and by the connection's TCP keepalives
+        and ``tcp_user_timeout``, but Ctrl-C takes effect only when it returns, so only short
+        statements go this way (never a wait for a lock). Raises psycopg's exception for the
+        SQLSTATE, as ``execute`` would.
+        """
+        assert self.conn is not None
+        pgconn = self.conn.pgconn
+        for again in (True, False):
+            if name not in self.prepared:
+                prepared = pgconn.prepare(name, query)
+                if prepared.status != COMMAND_OK:
+                    raise result_error(prepared)
+                self.prepared.add(name)
+            result = pgconn.exec_prepared(name, params, formats, 1 if binary else 0)
+            status = result.status
+            if status in (TUPLES_OK, COMMAND_OK):
+                return result
+            if not (again and deallocated(result)):
+                break
+            # Deallocated behind our back (psycopg sends DEALLOCATE ALL after a DROP or a
+            # ROLLBACK it ran on this connection): prepare it again, once.
+            self.prepared.discard(name)
+        raise result_error(result)
+
+    def open(self) -> psycopg.Connection[Any]:
+        """A new autocommit connection (not the shared one), for listeners."""
+        return connect(self.params)
+
+    def connection(self) -> psycopg.Connection[Any]:
+        """The shared connection, opened if needed; call with :attr:`lock` held."""
+        if not self.alive():
+            self.conn = self.open()
+            self.generation += 1
+            self.prepared = set()
+            self._poller = None
+            if hasattr(select, "poll"):  # (Windows: input_waiting's select() every time)
+                self._poller = select.poll()
+                self._poller.register(self.conn.pgconn.socket, select.POLLIN)
+        assert self.conn is not None
+        return self.conn
+
+    def alive(self) -> bool:
+        """Whether the shared connection is usable, without a round trip (call under lock).
+
+        An idle connection has nothing to read unless the server ended it (terminated the
+        session, shut down, restarted): such a connection is dropped here, so the next
+        statement goes to a new session instead of failing on the dead one.
+        """
+        if self._pid != os.getpid():
+            self.forget_after_fork()
+        conn = self.conn
+        if conn is None or conn.closed:
+            return False
+        if self._poller is not None and not self._poller.poll(0):
+            return True  # nothing to read: the usual case, one syscall
+        pgconn = conn.pgconn
+        for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
+            if pgconn.status != psycopg.pq.ConnStatus.OK:
+                self.broken()
+                return False
+            if not input_waiting(pgconn.socket):
+                return True
+            with contextlib.suppress(*DRIVER_ERRORS):
+                pgconn.consume_input()
+        return pgconn.status == psycopg.pq.ConnStatus.OK
+
+    def broken(self) -> bool:
+        """After an error: drop the connection if it is no longer usable (call under lock)."""
+        conn = self.conn
+        if conn is not None and (
+            conn.closed or conn.broken or conn.pgconn.status != psycopg.pq.ConnStatus.OK
+        ):
+            self.conn = None
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+            return True
+        return conn is None
+
+    def forget_after_fork(self) -> None:
+        self.lock = threading.Lock()
+        if self.conn is not None:
+            _FORKED_AWAY.append(self.conn)
+        self.conn = None
+        self.prepared = set()
+        self._poller = None
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        with self.lock:
+            conn, self.conn = self.conn, None
+        if conn is not None and self._pid == os.getpid():
+            with contextlib.suppress(*DRIVER_ERRORS):
+                conn.close()
+
+
+class Link(Session):
+    """One pooled connection of a :class:`PsycopgDriver`: a :class:`Session` whose lock is the
+    pool's (a link is used by one caller at a time), answering the store's requests."""
+
+    def __init__(self, driver: PsycopgDriver) -> None:
+        super().__init__(driver.params)
+        self.driver = driver
+
+    def answer(self, request: Any) -> Any:
+        """One request (see the module docstring); creates the tables if they are missing."""
+        try:
+            return self._answer(request)
+        except MISSING:  # first use
+            drive(self.driver.store.create(), self._answer)
+            return self._answer(request)
+
+    def _answer(self, request: Any) -> Any:
+        if type(request) is Prepared:
+            return self.run_prepared(request[0], request[1], request[2], request[3], True)
+        if type(request) is Query:
+            return self.execute(request[0], request[1])
+        return self.driver.listen(request)
+
+    def execute(self, query: str, params: Sequence[Any] | None) -> tuple[list[Any], int]:
+        """One statement through psycopg, ``$n`` placeholders: (rows, rowcount)."""
+        assert self.conn is not None
+        cur = psycopg.RawCursor(self.conn)
+        cur.execute(query, params, prepare=params is not None)  # None: a script, run as is
+        # Whether it returned rows, read off the result's status: cur.description would
+        # build a Column object per column on every call.
+        result = cur.pgresult
+        tuples = result is not None and result.status == TUPLES_OK
+        return (cur.fetchall() if tuples else []), cur.rowcount
+
+    def usable(self) -> bool:
+        """After an error: whether the connection is idle and sound (else it is closed)."""
+        conn = self.conn
+        return not (
+            conn is None
+            or conn.closed
+            or conn.broken
+            or conn.pgconn.status != psycopg.pq.ConnStatus.OK
+            or conn.pgconn.transaction_status != IDLE
+        )
+
+
+# -- waiting -----------------------------------------------------------------------------------
+
+
+class HandoffWaiter(EventWaiter):
+    """A queued mutex waiter: woken by its name's notifications, and handed the lease by a
+    release that names its ticket (see :class:`Listener`)."""
+
+    def __init__(
+        self, listener: Listener, key: str, ticket: int | None,
+        on_close: Callable[[HandoffWaiter], None] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(threading.Event())
+        self.listener, self.key, self.ticket = listener, key, ticket
+        self.listener_key = 0
+        self.grant: Grant | None = None
+        self.handed_over = False  # the core took the grant a release handed us
+        self.acquired = False  # the wait ended with the lease ours (however it came)
+        self._on_leave = on_close
+
+    def deliver(self, grant: Grant) -> None:
+        self.grant = grant
+        self.event.set()
+
+    def take_grant(self) -> Grant | None:
+        if self.grant is not None:
+            self.handed_over = self.acquired = True
+        return self.grant
+
+    def finish(self, result: Grant | Busy) -> None:
+        self.acquired = isinstance(result, Grant)
+
+    def unsubscribe(self) -> None:
+        self.listener.unsubscribe(self)
+
+    def close(self) -> None:
+        self.unsubscribe()
+        if self._on_leave is not None:
+            self._on_leave(self)
+
+
+class Listener:
+    """One ``LISTEN`` connection per backend, shared by the waiters of every name.
+
+    A daemon thread reads notifications and wakes the waiters of their key (the payload up to
+    the first ``:``). A payload ``key:ticket:token:expires_us`` hands a lease to the waiter
+    holding that ticket, and wakes only it. The connection also holds a session advisory lock
+    on a random 64-bit *listener key* for its whole life: releases hand leases only to queued
+    owners whose key is held, so a dead process (its connection closed) is never handed one.
+    If the connection is lost, every waiter is woken once (so it retries and sees the store's
+    state) and later waits poll; the next subscribe reconnects with a new key.
+    """
+
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection[Any]], channel: str,
+        unclaimed: Callable[[int], None] | None = None,
+    ) -> None:  # fmt: skip
+        self._connect = connect
+        self._channel = channel
+        self._unclaimed = unclaimed
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[HandoffWaiter]] = {}
+        self._conn: psycopg.Connection[Any] | None = None
+        self._stop_fd = -1
+        self.listener_key = 0
+        self.connections = 0  # how many LISTEN connections were opened (tests count them)
+        after_fork(self)
+
+    def subscribe(self, key: str) -> Waiter:
+        """A waiter for ``key``; the connection is listening before this returns."""
+        return self.queue(key, None)
+
+    def queue(
+        self, key: str, ticket: int | None,
+        on_close: Callable[[HandoffWaiter], None] | None = None,
+    ) -> HandoffWaiter:  # fmt: skip
+        """A waiter for ``key`` that a release naming ``ticket`` hands its lease to, with the
+        listener key to queue it with; listening before this returns."""
+        waiter = HandoffWaiter(self, key, ticket, on_close)
+        with self._lock:
+            if self._conn is None:
+                self._start()
+            self._waiters.setdefault(key, set()).add(waiter)
+            waiter.listener_key = self.listener_key
+            return waiter
+
+    def unsubscribe(self, waiter: HandoffWaiter) -> None:
+        with self._lock:
+            waiters = self._waiters.get(waiter.key)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[waiter.key]
+
+    def _start(self) -> None:
+        conn = self._connect()
+        listener_key = secrets.randbits(64) - (1 << 63)
+        try:
+            conn.execute("SELECT pg_advisory_lock(%s)", (listener_key,))
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        except BaseException:
+            conn.close()
+            raise
+        stop_r, stop_w = os.pipe()
+        self._conn, self._stop_fd, self.listener_key = conn, stop_w, listener_key
+        self.connections += 1
+        thread = threading.Thread(
+            target=self._run, args=(conn, stop_r, stop_w), name="latchkey-pg-listen", daemon=True
+        )
+        thread.start()
+
+    def _run(self, conn: psycopg.Connection[Any], stop_r: int, stop_w: int) -> None:
+        pid = os.getpid()
+        selector = selectors.DefaultSelector()
+        try:
+            selector.register(conn.fileno(), selectors.EVENT_READ)
+            selector.register(stop_r, selectors.EVENT_READ)
+            while True:
+                if any(key.fd == stop_r for key, _ in selector.select()):
+                    break
+                conn.pgconn.consume_input()
+                while (note := conn.pgconn.notifies()) is not None:
+                    self._wake(note.extra.decode("ascii", "replace"))
+        except (psycopg.Error, OSError, ValueError):
+            pass  # connection lost: wake everyone below; later waits poll
+        finally:
+            selector.close()
+            if os.getpid() == pid:
+                with self._lock:
+                    if self._conn is conn:
+                        self._conn = None
+                    everyone = [w for waiters in self._waiters.values() for w in waiters]
+                for waiter in everyone:
+                    waiter.event.set()
+                conn.close()
+                os.close(stop_r)
+                os.close(stop_w)
+
+    def _wake(self, payload: str) -> None:
+        key, _, handoff = payload.partition(":")
+        with self._lock:
+            waiters = list(self._waiters.get(key, ()))
+        if handoff:
+            grant = handoff_grant(handoff)
+            if grant is None:
+                return
+            for waiter in waiters:
+                if waiter.ticket == grant[0]:
+                    waiter.deliver(grant[1])
+                    return  # the name is held again: nobody else needs to wake
+            if self._unclaimed is not None:
+                self._unclaimed(grant[0])
+            return
+        for waiter in waiters:
+            waiter.event.set()
+
+    def close(self) -> None:
+        """Stop the thread (it closes its connection)."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._stop_fd, b"x")
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the thread is gone and the connection is the parent's."""
+        self._lock = threading.Lock()
+        self._conn = None
+        self._waiters = {}
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+class PsycopgDriver(Driver):
+    """The sync driver of the ``postgresql://`` store: a pool of :class:`Link` and one
+    :class:`Listener`. The store provides ``channel`` (the NOTIFY channel), ``create()`` and
+    ``leave_queue()`` / ``unclaimed()`` (see :mod:`latchkey.stores.postgresql`)."""
+
+    errors = DRIVER_ERRORS
+
+    def __init__(self, backend: BackendBase, store: Any) -> None:
+        super().__init__(backend, store)
+        self.timeout = backend.timeout
+        self.params = connection_params(backend.url, backend.config, "latchkey")
+        self.pool: Pool[Link] = Pool(self._open, _close, alive=Link.alive)
+        self.listener = Listener(lambda: connect(self.params), store.channel, self._unclaimed)
+
+    def _open(self) -> Link:
+        link = Link(self)
+        link.connection()
+        return link
+
+    def answer(self, request: Any) -> Any:  # pragma: no cover - run() answers on a Link
+        raise NotImplementedError
+
+    def run(self, steps: Steps[T], action: str) -> T:
+        pool = self.pool
+        try:
+            link = pool.get(self.timeout)
+            try:
+                result = drive(steps, link.answer)
+            except Exception:
+                (pool.put if link.usable() else pool.discard)(link)
+                raise
+            except BaseException:  # interrupted mid-call: the protocol state is unknown
+                pool.discard(link)
+                raise
+            pool.put(link)
+            return result
+        except StoreUnavailable:
+            raise
+        except self.errors as exc:
+            self.backend.unavailable(exc, action)
+
+    def listen(self, request: Listen) -> HandoffWaiter:
+        key, ticket, name, owner = request
+        if ticket is None:
+            return self.listener.queue(key, None)
+        return self.listener.queue(key, ticket, lambda w: self._leave(name, owner, w))
+
+    def _leave(self, name: str, owner: str, waiter: HandoffWaiter) -> None:
+        try:
+            self.run(self.store.leave_queue(name, owner, waiter), f"leave the queue for {name!r}")
+        except StoreUnavailable as exc:
+            log.info("%s", exc)  # the wait's outcome stands; an outage is the caller's to see
+
+    def _unclaimed(self, ticket: int) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            self.run(self.store.unclaimed(ticket), "release")
+
+    def close(self) -> None:
+        self.listener.close()
+        self.pool.close()
+
+
+def _close(link: Link) -> None:
+    link.close()
