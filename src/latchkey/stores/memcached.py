@@ -56,7 +56,12 @@ _MONTH = 30 * 24 * 3600  # memcached reads larger TTLs as absolute Unix times
 _PLAIN = re.compile(r"[!-~]+")  # printable ASCII without space: usable in a key as is
 EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
 _HELD_MAX = 4096  # leases whose CAS a store remembers for one-round-trip release/extend
-_fromtimestamp, _UTC, _monotonic = datetime.fromtimestamp, timezone.utc, time.monotonic
+_fromtimestamp, _UTC, _monotonic, _ceil = (
+    datetime.fromtimestamp,
+    timezone.utc,
+    time.monotonic,
+    math.ceil,
+)
 
 # Requests (:mod:`latchkey.stores.io.memcached`): ``node`` (an int, the server's index in the
 # URL) asks for the session of the primitive's connection to it; trip(node, commands), or the
@@ -84,9 +89,10 @@ REWRITTEN_LEASE = b'{"n":%b,"o":%b,"i":%b,"t":%d,"a":%d,"e":%d}'
 STATS = b"stats\r\n"  # ``STAT time <unix s>``, ``STAT uptime <s>``, …, ``END``
 
 # What the store remembers of a lease it took or extended, to release or extend it in one
-# trip: (key, CAS, instance: the server process whose counter gave the CAS, token, owner info,
-# acquired ms). A plain tuple: a NamedTuple's constructor costs 20 times more.
-_Held = tuple[bytes, int, bytes, int, str, int]
+# trip: (key, CAS, the session (S, instance id) of the server process whose counter gave the
+# CAS, token, owner info, acquired ms). A plain tuple: a NamedTuple costs 20 times more.
+_Held = tuple[bytes, int, "Session", int, str, int]
+Session = tuple[int, "bytes | None"]
 
 
 class _Lease(NamedTuple):
@@ -129,15 +135,17 @@ class Memcached(Store):
         self._ring = RendezvousHash(list(self._nodes))
         self._one = len(self.servers) == 1  # one server: no hashing
         self._offsets = [0.0] * len(self.servers)  # server clock - local monotonic, seconds
+        self._sessions: list[Session | None] = [None] * len(self.servers)  # the last greeted
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this store
         self._names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
         self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
+        self._info = ("", b'""')  # the last owner_info and its JSON string literal
         after_fork(self)
 
     def forget_after_fork(self) -> None:
         self._held = {}  # a child remembers nothing (its parent may release those leases)
 
-    def greet(self, node: int) -> Steps[tuple[int, bytes | None]]:
+    def greet(self, node: int) -> Steps[Session]:
         """A new connection's session: the server's clock and start (``stats``), the add of a
         fresh instance id (kept if this server process has none yet) and its read, one trip."""
         fresh, key, before = os.urandom(8).hex().encode(), self.prefix + b"instance", _monotonic()
@@ -152,7 +160,9 @@ class Memcached(Store):
                 "memcached store: the server runs with CAS disabled (memcached -C); "
                 "latchkey needs CAS values for its owner checks and fencing tokens"
             )
-        return max(0, now - uptime - EPOCH), instance if line[:2] == b"VA" else None
+        session = max(0, now - uptime - EPOCH), instance if line[:2] == b"VA" else None
+        self._sessions[node] = session
+        return session
 
     def _key(self, kind: str, name: str, slot: int = 0) -> bytes:
         label = kind if slot == 0 else f"slot{slot}"
@@ -182,19 +192,22 @@ class Memcached(Store):
         return groups
 
     def _remember(self, name: str, owner: str, held: _Held) -> None:
-        if len(self._held) >= _HELD_MAX:  # drop the oldest (a lease never released, say)
-            self._held.pop(next(iter(self._held), ("", "")), None)
+        if len(self._held) >= _HELD_MAX:
+            self._forget_oldest()
         self._held[name, owner] = held
 
-    def _forget(self, name: str, owner: str, instance: bytes | None) -> _Held | None:
-        """What we remember of (name, owner), if valid on the server process ``instance``."""
+    def _forget_oldest(self) -> None:  # bounded memory: drop the oldest (never released, say)
+        self._held.pop(next(iter(self._held), ("", "")), None)
+
+    def _forget(self, name: str, owner: str, session: Session) -> _Held | None:
+        """What we remember of (name, owner), if valid on the server process of ``session``."""
         held = self._held.pop((name, owner), None)
-        if held is None or instance is None or held[2] != instance:
+        if held is None or held[2] != session:
             return None  # unknown, or from another server lifetime: its CAS proves nothing
         return held
 
     def _taken(
-        self, live: Sequence[_Lease], name: str, owner: str, instance: bytes | None, node: int
+        self, live: Sequence[_Lease], name: str, owner: str, session: Session, node: int
     ) -> Grant | Busy:
         """An acquire that added no lease (``live``: the leases it saw): the owner's lease as
         it is, never a second slot, with its time left (capped by memcached's TTL left); or
@@ -205,9 +218,9 @@ class Memcached(Store):
                 return Busy(0)
             soonest = min(live, key=lambda s: (s.ttl_left, s.expires))
             return Busy(len(live), soonest.holder(), float(max(soonest.ttl_left, 0)))
-        if instance is not None:
+        if session[1] is not None:
             info, acquired = str(mine.data["i"]), int(mine.data["a"])
-            self._remember(name, owner, (mine.key, mine.cas, instance, mine.token, info, acquired))
+            self._remember(name, owner, (mine.key, mine.cas, session, mine.token, info, acquired))
         left = min(mine.expires - self._offsets[node] - _monotonic(), mine.ttl_left - 1.0)
         return Grant(mine.token, _dt(mine.expires), max(0.0, left))
 
@@ -237,9 +250,11 @@ class Memcached(Store):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
         """Add a lease in a free slot (a semaphore first writes its limit and reads its slots);
-        else the owner's own lease (the probe read the slot), or Busy."""
+        else the owner's own lease (the probe read the slot), or Busy. The lease names the
+        server's start S of the last session seen: sent only on a connection of that session
+        (else the driver answers with its session, and we build it again)."""
         node = 0 if self._one else self._node(name)
-        started, instance = yield node
+        session = self._sessions[node] or (yield node)
         live: list[_Lease] = []
         if limit == 1:  # a mutex: try the add at once
             key, quoted_name = self._names.get(name) or self._hot_name(name)
@@ -248,62 +263,66 @@ class Memcached(Store):
             slots = [(k, _lease(k, r)) for k, r in read]
             live = [s for _, s in slots if s]
             if len(live) == limit or any(s.owner == owner for s in live):
-                return self._taken(live, name, owner, instance, node)
+                return self._taken(live, name, owner, session, node)
             key = random.choice([k for k, s in slots if not s])  # contenders spread out
             quoted_name = _json(name)
         now = self._offsets[node] + _monotonic()
         acquired = int(now * 1000)
-        expires = acquired + round(ttl * 1000)
-        value = NEW_LEASE % (
-            quoted_name,
-            _json(owner),
-            _json(owner_info),
-            started,
-            acquired,
-            expires,
-        )
-        request = (node, PROBE_ADD % (key, key, len(value), _ttl_arg(ttl, now), value), 2, True)
-        probe, added = yield request
-        if (line := added[0])[:4] == b"HD c" and line[4:].isdigit() and int(line[4:]) > 0:
-            cas = int(line[4:])  # stored: the common reply, taken as is
+        expires, expiry = acquired + round(ttl * 1000), _ceil(ttl) + 1
+        last, info = self._info
+        if owner_info is not last:  # the core passes the same owner JSON text again and again
+            self._info = (owner_info, info := _json(owner_info))
+        value = NEW_LEASE % (quoted_name, _json(owner), info, session[0], acquired, expires)
+        expiry = expiry if expiry <= _MONTH else int(now) + expiry  # as _ttl_arg()
+        answer = yield (node, PROBE_ADD % (key, key, len(value), expiry, value), 2, True, session)
+        if answer.__class__ is tuple:  # a connection to a newer server process: again
+            self._sessions[node] = answer
+            return (yield from self.acquire(name, owner, owner_info, ttl, limit))
+        probe, added = answer
+        line = added[0]
+        if line[:4] == b"HD c" and (digits := line[4:]).isdigit() and (cas := int(digits)) > 0:
+            pass  # stored: the common reply, taken as is
         elif not written(added):
             winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
-            return self._taken([*live, winner] if winner else live, name, owner, instance, node)
+            return self._taken([*live, winner] if winner else live, name, owner, session, node)
         else:
             cas = _new_cas(added)
-        token = (started << 32) + cas
-        if instance is not None:
-            self._remember(name, owner, (key, cas, instance, token, owner_info, acquired))
+        token = (session[0] << 32) + cas
+        if session[1] is not None:
+            held = self._held
+            if len(held) >= _HELD_MAX:
+                self._forget_oldest()
+            held[name, owner] = (key, cas, session, token, owner_info, acquired)
         return Grant(token, _fromtimestamp(expires / 1000, _UTC))  # the lease's, to the ms
 
     def release(self, name: str, owner: str) -> Steps[bool]:
         """By the CAS we remember, one trip; else (or if the lease changed (EX) or is gone
         (NF)) read once and delete by the CAS read."""
         node = 0 if self._one else self._node(name)
-        _, instance = yield node
-        if (held := self._forget(name, owner, instance)) is not None:
-            (reply,) = yield (node, DELETE_IF % (held[0], held[1]), 1, False)
-            if written(reply):  # HD: the item with our CAS was there, live: ours, now gone
-                return True
+        if (held := self._held.pop((name, owner), None)) is not None:
+            # Sent only on the server process that gave the CAS (else the answer is a session).
+            answer = yield (node, DELETE_IF % (held[0], held[1]), 1, False, held[2])
+            if answer.__class__ is list and (answer[0][0] == b"HD" or written(answer[0])):
+                return True  # the item with our CAS was there, live: ours, now gone
         if (mine := (yield from self._mine(node, name, owner))) is None:
             return False
-        return written((yield (node, DELETE_IF % (mine.key, mine.cas), 1, False))[0])
+        return written((yield trip(node, [DELETE_IF % (mine.key, mine.cas)]))[0])
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         """By the CAS we remember (one trip); else, or if it changed, read once to decide."""
         node = self._node(name)
-        _, instance = yield node
-        if (held := self._forget(name, owner, instance)) is not None:
-            grant = yield from self._rewrite(node, instance, name, owner, held, ttl)
+        session = yield node
+        if (held := self._forget(name, owner, session)) is not None:
+            grant = yield from self._rewrite(node, session, name, owner, held, ttl)
             if grant is not None:
                 return grant
         if (mine := (yield from self._mine(node, name, owner))) is None:
             return None
-        held = (mine.key, mine.cas, b"", mine.token, mine.data["i"], _ms(mine.acquired))
-        return (yield from self._rewrite(node, instance, name, owner, held, ttl))
+        held = (mine.key, mine.cas, session, mine.token, mine.data["i"], _ms(mine.acquired))
+        return (yield from self._rewrite(node, session, name, owner, held, ttl))
 
     def _rewrite(
-        self, node: int, instance: bytes | None, name: str, owner: str, held: _Held, ttl: float
+        self, node: int, session: Session, name: str, owner: str, held: _Held, ttl: float
     ) -> Steps[Grant | None]:
         """A new expiry for our lease if its CAS is still the one held (one trip). The item
         gets a new CAS, so the value now carries its token; we remember the new CAS."""
@@ -313,10 +332,10 @@ class Memcached(Store):
             _json(name), _json(owner), _json(info), token, acquired_ms, _ms(now + ttl)
         )  # fmt: skip
         command = REPLACE_IF % (key, len(value), _ttl_arg(ttl, now), cas, value)
-        if not written(reply := (yield (node, command, 1, False))[0]):
+        if not written(reply := (yield trip(node, [command]))[0]):
             return None
-        if instance is not None:
-            self._remember(name, owner, (key, _new_cas(reply), instance, token, info, acquired_ms))
+        if session[1] is not None:
+            self._remember(name, owner, (key, _new_cas(reply), session, token, info, acquired_ms))
         return Grant(token, _dt(now + ttl))
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
@@ -342,7 +361,8 @@ class Memcached(Store):
         """Every name's add in one pipelined batch per server; held names are skipped."""
         grants: dict[str, Grant] = {}
         for node, group in self._by_node(names).items():
-            started, instance = yield node
+            session = yield node
+            started = session[0]
             now = self._offsets[node] + _monotonic()
             acquired, expires, quoted = _ms(now), _ms(now + ttl), (_json(owner), _json(owner_info))
             hot = [self._hot_name(name) for name in group]
@@ -355,8 +375,8 @@ class Memcached(Store):
                 if written(reply):  # else held by someone else: skipped
                     cas = _new_cas(reply)
                     grants[name] = Grant((started << 32) + cas, _dt(now + ttl))
-                    if instance is not None:
-                        held = (key, cas, instance, (started << 32) + cas, owner_info, acquired)
+                    if session[1] is not None:
+                        held = (key, cas, session, (started << 32) + cas, owner_info, acquired)
                         self._remember(name, owner, held)
         return grants
 
@@ -365,11 +385,11 @@ class Memcached(Store):
         the others (and of remembered ones that changed), then deletes by the CAS read."""
         released = 0
         for node, group in self._by_node(names).items():
-            _, instance = yield node
+            session = yield node
             deletes: list[tuple[bytes, int, bool]] = []  # key, CAS, remembered (not read)?
             reads: list[bytes] = []
             for name in group:
-                if (held := self._forget(name, owner, instance)) is None:
+                if (held := self._forget(name, owner, session)) is None:
                     reads.append(self._key("lock", name))
                 else:
                     deletes.append((held[0], held[1], True))
@@ -391,7 +411,7 @@ class Memcached(Store):
 
     def _record(self, node: int, key: bytes) -> Steps[tuple[str | None, int, int]]:
         """A record's JSON text, version and CAS (absent: None, 0, 0)."""
-        ((line, data),) = yield (node, READ % key, 1, False)
+        ((line, data),) = yield trip(node, [READ % key])
         if line[:2] == b"EN":
             return None, 0, 0
         try:
@@ -409,19 +429,19 @@ class Memcached(Store):
             if current != version:
                 return None
             command = REPLACE_IF % (key, len(data), 0, cas, data)
-        return version + 1 if written((yield (node, command, 1, False))[0]) else None
+        return version + 1 if written((yield trip(node, [command]))[0]) else None
 
     def record_delete(self, name: str, version: int) -> Steps[bool]:
         node, key = self._node(name), self._key("record", name)
         _, current, cas = yield from self._record(node, key)
         if version == 0 or current != version:
             return False
-        return written((yield (node, DELETE_IF % (key, cas), 1, False))[0])
+        return written((yield trip(node, [DELETE_IF % (key, cas)]))[0])
 
     def now(self) -> Steps[datetime]:
         """The first server's clock: its whole-second ``stats`` time, ± 0.5 s."""
         before = _monotonic()
-        ((_, block),) = yield (0, STATS, 1, False)
+        ((_, block),) = yield trip(0, [STATS])
         self._offsets[0] = stats(block, b"time")[0] + 0.5 - (before + _monotonic()) / 2
         return _dt(self._offsets[0] + _monotonic())
 

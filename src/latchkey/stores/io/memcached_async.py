@@ -217,8 +217,8 @@ class AsyncMemcachedDriver(AsyncDriver):
             conn = held.get(node)
             if conn is None:
                 conn = held[node] = await self.servers[node].checkout(self.store, node)
-            if request.__class__ is int:
-                return conn.session
+            if request.__class__ is int or (request[4] is not None and request[4] != conn.session):
+                return conn.session  # (a request for another session is not sent)
             return await conn.trip(request[1], request[2], request[3])
 
         timeout = self.backend.timeout
