@@ -210,30 +210,59 @@ class AsyncMemcachedDriver(AsyncDriver):
         raise NotImplementedError
 
     async def run(self, steps: Steps[T], action: str) -> T:
-        held: dict[int, Connection] = {}  # node → this primitive's connection to it
-
-        async def answer(request: Any) -> Any:
-            node = request if request.__class__ is int else request[0]
-            conn = held.get(node)
-            if conn is None:
-                conn = held[node] = await self.servers[node].checkout(self.store, node)
-            if request.__class__ is int or (request[4] is not None and request[4] != conn.session):
-                return conn.session  # (a request for another session is not sent)
-            return await conn.trip(request[1], request[2], request[3])
-
+        """Run a primitive within the store's timeout; a driver error or the timeout is
+        StoreUnavailable."""
         timeout = self.backend.timeout
         try:
-            result = await bounded(adrive(steps, answer), timeout)
-        except BaseException as exc:
-            for node, conn in held.items():
-                self.servers[node].discard(conn)
-            if isinstance(exc, StoreUnavailable) or not isinstance(exc, self.errors):
-                raise
+            return await bounded(self._steps(steps), timeout)
+        except StoreUnavailable:
+            raise
+        except self.errors as exc:
             if isinstance(exc, asyncio.TimeoutError) and not str(exc):
                 exc = TimeoutError(f"memcached did not answer within {timeout}s")
             self.backend.unavailable(exc, action)
-        for node, conn in held.items():
+
+    async def _steps(self, steps: Steps[T]) -> T:
+        """:func:`~latchkey.stores.io.aio.adrive` written out, as the sync driver's ``run``
+        (no coroutine made per request): each request answered on the primitive's connection
+        to its server; an error, a timeout or a cancellation closes them (mid-reply)."""
+        conn: Any = None  # the connection to ``node``, the server of the last request…
+        node = -1
+        more: dict[int, Connection] = {}  # …and those to other servers (a claim's)
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    request = steps.send(value) if error is None else steps.throw(error)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    break
+                try:
+                    to = request if request.__class__ is int else request[0]
+                    if to != node:
+                        new = more.pop(to, None) or await self.servers[to].checkout(self.store, to)
+                        if conn is not None:
+                            more[node] = conn
+                        conn, node = new, to
+                    if request.__class__ is int or (
+                        request[4] is not None and request[4] != conn.session
+                    ):
+                        value, error = conn.session, None  # (a request for another: not sent)
+                    else:
+                        value, error = await conn.trip(request[1], request[2], request[3]), None
+                except BaseException as exc:  # thrown into the store's generator
+                    value, error = None, exc
+        except BaseException:
+            if conn is not None:
+                self.servers[node].discard(conn)
+            for other, each in more.items():
+                self.servers[other].discard(each)
+            raise
+        if conn is not None:
             self.servers[node].checkin(conn)
+        for other, each in more.items():
+            self.servers[other].checkin(each)
         return result
 
     async def aclose(self) -> None:
