@@ -56,16 +56,11 @@ _MONTH = 30 * 24 * 3600  # memcached reads larger TTLs as absolute Unix times
 _PLAIN = re.compile(r"[!-~]+")  # printable ASCII without space: usable in a key as is
 EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
 _HELD_MAX = 4096  # leases whose CAS a store remembers for one-round-trip release/extend
-_fromtimestamp, _UTC, _monotonic, _ceil = (
-    datetime.fromtimestamp,
-    timezone.utc,
-    time.monotonic,
-    math.ceil,
-)
-
+_fromtimestamp, _UTC = datetime.fromtimestamp, timezone.utc  # the hot path's, looked up once
+_monotonic, _ceil = time.monotonic, math.ceil
 # Requests (:mod:`latchkey.stores.io.memcached`): ``node`` (an int, the server's index in the
-# URL) asks for the session of the primitive's connection to it; trip(node, commands), or the
-# tuple ``(node, commands, count, probe)``, for one round trip and its ``(line, data)`` replies.
+# URL) for the session of the primitive's connection to it; trip(node, commands) or a tuple
+# ``(node, commands, count, probe, session)`` for one round trip and its replies.
 
 # Commands (%b: a key, prefixed, plain ASCII, ≤ 250 bytes). Read: value, TTL left (whole s)
 # and CAS: ``VA <len> t<ttl> c<cas>`` + value, or ``EN`` when absent or expired.
@@ -146,8 +141,7 @@ class Memcached(Store):
         self._held = {}  # a child remembers nothing (its parent may release those leases)
 
     def greet(self, node: int) -> Steps[Session]:
-        """A new connection's session: the server's clock and start (``stats``), the add of a
-        fresh instance id (kept if this server process has none yet) and its read, one trip."""
+        """A connection's session: ``stats`` (clock, start) and the instance id, one trip."""
         fresh, key, before = os.urandom(8).hex().encode(), self.prefix + b"instance", _monotonic()
         block, added, (line, instance) = yield trip(
             node, [STATS, ADD % (key, len(fresh), 0, fresh), READ % key]
@@ -156,10 +150,8 @@ class Memcached(Store):
         self._offsets[node] = now + 0.5 - (before + _monotonic()) / 2  # whole seconds: ± 0.5
         written(added)  # HD: we wrote the id; NS: it was there
         if line[:2] == b"VA" and flag(line, b"c") == 0:
-            raise ConfigError(
-                "memcached store: the server runs with CAS disabled (memcached -C); "
-                "latchkey needs CAS values for its owner checks and fencing tokens"
-            )
+            message = "the server runs with CAS disabled (memcached -C): no owner checks, tokens"
+            raise ConfigError(f"memcached store: {message}")
         session = max(0, now - uptime - EPOCH), instance if line[:2] == b"VA" else None
         self._sessions[node] = session
         return session
@@ -177,8 +169,7 @@ class Memcached(Store):
 
     def _hot_name(self, name: str) -> tuple[bytes, bytes]:
         """``P lock:N`` and the name as a JSON literal, remembered for names used lately."""
-        if len(self._names) >= _HELD_MAX:
-            self._names = {}
+        self._names = self._names if len(self._names) < _HELD_MAX else {}
         known = self._names[name] = (self._key("lock", name), _json(name))
         return known
 
@@ -186,18 +177,13 @@ class Memcached(Store):
         return 0 if self._one else self._nodes[self._ring.get_node(self._encode(name).decode())]
 
     def _by_node(self, names: Sequence[str]) -> dict[int, list[str]]:
-        groups: dict[int, list[str]] = {}
-        for name in names:
-            groups.setdefault(self._node(name), []).append(name)
-        return groups
+        nodes = [self._node(name) for name in names]
+        return {n: [x for x, m in zip(names, nodes, strict=True) if m == n] for n in set(nodes)}
 
     def _remember(self, name: str, owner: str, held: _Held) -> None:
-        if len(self._held) >= _HELD_MAX:
-            self._forget_oldest()
+        if len(self._held) >= _HELD_MAX:  # bounded: drop the oldest (never released, say)
+            self._held.pop(next(iter(self._held), ("", "")), None)
         self._held[name, owner] = held
-
-    def _forget_oldest(self) -> None:  # bounded memory: drop the oldest (never released, say)
-        self._held.pop(next(iter(self._held), ("", "")), None)
 
     def _forget(self, name: str, owner: str, session: Session) -> _Held | None:
         """What we remember of (name, owner), if valid on the server process of ``session``."""
@@ -210,8 +196,7 @@ class Memcached(Store):
         self, live: Sequence[_Lease], name: str, owner: str, session: Session, node: int
     ) -> Grant | Busy:
         """An acquire that added no lease (``live``: the leases it saw): the owner's lease as
-        it is, never a second slot, with its time left (capped by memcached's TTL left); or
-        Busy with the lease that ends soonest (its TTL left caps the wait)."""
+        it is (never a second slot), or Busy; memcached's TTL left caps the times given."""
         mine = next((s for s in live if s.owner == owner), None)
         if mine is None:
             if not live:
@@ -227,13 +212,14 @@ class Memcached(Store):
     def _each_slot(
         self, node: int, name: str, command: bytes, limit: int = 0
     ) -> Steps[list[tuple[bytes, Reply]]]:
-        """``command`` on each slot of ``name`` after a read of its slot count (or the write
-        of ``limit``): one round trip, two for a semaphore with more slots than we knew."""
+        """``command`` on each slot after a read of the slot count (or the write of ``limit``):
+        one round trip, two for a semaphore with more slots than we knew."""
         known, key = limit or self._limits.get(name, 1), self._key("limit", name)
         first = SET_FOREVER % (key, len(str(limit)), str(limit).encode()) if limit else READ % key
         keys = [self._key("lock", name, i) for i in range(known)]
         replies = yield trip(node, [first, *(command % k for k in keys)])
-        if (count := _limit(replies[0])) > known:
+        line, data = replies[0]  # the slot count (absent, or written: 1)
+        if (count := int(data) if line[:2] == b"VA" and data and data.isdigit() else 1) > known:
             self._limits[name] = count
             more = [self._key("lock", name, i) for i in range(known, count)]
             keys += more
@@ -244,15 +230,12 @@ class Memcached(Store):
         slots = [_lease(k, r) for k, r in (yield from self._each_slot(node, name, READ))]
         return next((s for s in slots if s and s.owner == owner), None)
 
-    # -- the primitives ------------------------------------------------------------------------
-
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        """Add a lease in a free slot (a semaphore first writes its limit and reads its slots);
-        else the owner's own lease (the probe read the slot), or Busy. The lease names the
-        server's start S of the last session seen: sent only on a connection of that session
-        (else the driver answers with its session, and we build it again)."""
+        """Add a lease in a free slot (a semaphore writes its limit and reads its slots first),
+        else the owner's own lease (the probe read it), or Busy. Built with the last session
+        seen; on a connection of another (the driver's answer), built again."""
         node = 0 if self._one else self._node(name)
         session = self._sessions[node] or (yield node)
         live: list[_Lease] = []
@@ -289,15 +272,11 @@ class Memcached(Store):
             cas = _new_cas(added)
         token = (session[0] << 32) + cas
         if session[1] is not None:
-            held = self._held
-            if len(held) >= _HELD_MAX:
-                self._forget_oldest()
-            held[name, owner] = (key, cas, session, token, owner_info, acquired)
+            self._remember(name, owner, (key, cas, session, token, owner_info, acquired))
         return Grant(token, _fromtimestamp(expires / 1000, _UTC))  # the lease's, to the ms
 
     def release(self, name: str, owner: str) -> Steps[bool]:
-        """By the CAS we remember, one trip; else (or if the lease changed (EX) or is gone
-        (NF)) read once and delete by the CAS read."""
+        """By the CAS we remember (one trip); else, or if it changed or is gone, read first."""
         node = 0 if self._one else self._node(name)
         if (held := self._held.pop((name, owner), None)) is not None:
             # Sent only on the server process that gave the CAS (else the answer is a session).
@@ -324,8 +303,7 @@ class Memcached(Store):
     def _rewrite(
         self, node: int, session: Session, name: str, owner: str, held: _Held, ttl: float
     ) -> Steps[Grant | None]:
-        """A new expiry for our lease if its CAS is still the one held (one trip). The item
-        gets a new CAS, so the value now carries its token; we remember the new CAS."""
+        """A new expiry if the CAS is still the one held; the value now holds the token."""
         key, cas, _, token, info, acquired_ms = held
         now = self._offsets[node] + _monotonic()
         value = REWRITTEN_LEASE % (
@@ -340,12 +318,14 @@ class Memcached(Store):
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
         slots = yield from self._each_slot(self._node(name), name, READ)
-        live = sorted(filter(None, [_lease(k, r) for k, r in slots]), key=_age)
+        live = sorted(
+            filter(None, [_lease(k, r) for k, r in slots]), key=lambda s: (s.acquired, s.token)
+        )
         return LockInfo(name, tuple(s.holder() for s in live)) if live else None
 
     def list(self, prefix: str) -> Steps[list[LockInfo]]:
         raise Unsupported("the memcached store cannot list locks (memcached cannot enumerate keys)")
-        yield  # a generator
+        yield  # (a generator)
 
     def force_release(self, name: str) -> Steps[bool]:
         slots = yield from self._each_slot(self._node(name), name, DELETE)
@@ -353,7 +333,7 @@ class Memcached(Store):
 
     def purge_expired(self) -> Steps[int]:
         return 0  # memcached drops expired items itself
-        yield  # a generator
+        yield
 
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
@@ -361,8 +341,7 @@ class Memcached(Store):
         """Every name's add in one pipelined batch per server; held names are skipped."""
         grants: dict[str, Grant] = {}
         for node, group in self._by_node(names).items():
-            session = yield node
-            started = session[0]
+            session = started, _ = yield node
             now = self._offsets[node] + _monotonic()
             acquired, expires, quoted = _ms(now), _ms(now + ttl), (_json(owner), _json(owner_info))
             hot = [self._hot_name(name) for name in group]
@@ -373,16 +352,16 @@ class Memcached(Store):
             ]
             for name, (key, _), reply in zip(group, hot, (yield trip(node, adds)), strict=True):
                 if written(reply):  # else held by someone else: skipped
-                    cas = _new_cas(reply)
-                    grants[name] = Grant((started << 32) + cas, _dt(now + ttl))
+                    token = (started << 32) + (cas := _new_cas(reply))
+                    grants[name] = Grant(token, _dt(now + ttl))
                     if session[1] is not None:
-                        held = (key, cas, session, (started << 32) + cas, owner_info, acquired)
-                        self._remember(name, owner, held)
+                        self._remember(
+                            name, owner, (key, cas, session, token, owner_info, acquired)
+                        )
         return grants
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
-        """Per server: one trip when we remember every lease (deletes by CAS); else a read of
-        the others (and of remembered ones that changed), then deletes by the CAS read."""
+        """Per server, deletes by the CAS we remember and reads of the rest, then by CAS read."""
         released = 0
         for node, group in self._by_node(names).items():
             session = yield node
@@ -402,8 +381,6 @@ class Memcached(Store):
                 reads = [k for (k, _, mem), ok in zip(deletes, done, strict=True) if mem and not ok]
                 deletes = [(s.key, s.cas, False) for s in found if s and s.owner == owner]
         return released
-
-    # -- versioned records: {"v": version, "d": JSON text}, CAS-checked writes ----------------
 
     def record_get(self, name: str) -> Steps[tuple[str | None, int]]:
         value, version, _ = yield from self._record(self._node(name), self._key("record", name))
@@ -473,15 +450,6 @@ def _lease(key: bytes, reply: Reply | None) -> _Lease | None:
         return _Lease(key, str(data["o"]), token, acquired, expires, data, flag(line, b"t"), cas)
     except (ValueError, KeyError, TypeError) as exc:
         raise ProtocolError(f"unreadable lease at {key!r}: {line!r} {exc}") from None
-
-
-def _limit(reply: Reply) -> int:
-    """A semaphore's slot count from a read of ``P limit:N`` (absent: 1, a mutex)."""
-    return int(reply[1]) if reply[0][:2] == b"VA" and reply[1] and reply[1].isdigit() else 1
-
-
-def _age(lease: _Lease) -> tuple[float, int]:
-    return lease.acquired, lease.token  # inspect's order: oldest first
 
 
 def _json(text: str) -> bytes:
