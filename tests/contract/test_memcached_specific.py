@@ -27,8 +27,13 @@ from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.io import memcached as memcached_io
 from latchkey.stores.io import memcached_async
 from latchkey.stores.io.memcached import Connection as _Connection
-from latchkey.stores.memcached import EPOCH, AsyncMemcachedBackend, Memcached, MemcachedBackend
-from latchkey.stores.memcached import _ttl_arg
+from latchkey.stores.memcached import (
+    EPOCH,
+    AsyncMemcachedBackend,
+    Memcached,
+    MemcachedBackend,
+    _ttl_arg,
+)
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
