@@ -23,10 +23,17 @@ import pytest
 import latchkey
 from latchkey import ConfigError, StoreUnavailable, Unsupported
 from latchkey._types import Busy, Grant
-from latchkey.stores import memcached as memcached_store
-from latchkey.stores import memcached_async, open_async_backend, open_backend
-from latchkey.stores.memcached import EPOCH, MemcachedBackend, _Connection, _ttl_arg
-from latchkey.stores.memcached_async import AsyncMemcachedBackend
+from latchkey.stores import open_async_backend, open_backend
+from latchkey.stores.io import memcached as memcached_io
+from latchkey.stores.io import memcached_async
+from latchkey.stores.io.memcached import Connection as _Connection
+from latchkey.stores.memcached import (
+    EPOCH,
+    AsyncMemcachedBackend,
+    Memcached,
+    MemcachedBackend,
+    _ttl_arg,
+)
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
@@ -123,23 +130,18 @@ def raw_started(port: int) -> int:
 
 
 class Counting:
-    """Counts round trips: each batch of commands written to a server starts one (through
-    ``_send``, or ``request`` on the hot path)."""
+    """Counts round trips: each batch of commands written to a server starts one (a
+    connection's ``trip``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.trips = 0
-        send, request = _Connection._send, _Connection.request
+        trip = _Connection.trip
 
-        def counted_send(conn: _Connection, data: bytes) -> None:
+        def counted(conn: _Connection, data: bytes, count: int, probe: bool) -> Any:
             self.trips += 1
-            send(conn, data)
+            return trip(conn, data, count, probe)
 
-        def counted_request(conn: _Connection, data: bytes) -> bytes:
-            self.trips += 1
-            return request(conn, data)
-
-        monkeypatch.setattr(_Connection, "_send", counted_send)
-        monkeypatch.setattr(_Connection, "request", counted_request)
+        monkeypatch.setattr(_Connection, "trip", counted)
 
 
 # -- URL and options ---------------------------------------------------------------------------
@@ -148,8 +150,9 @@ class Counting:
 def test_url_with_several_servers_and_default_port() -> None:
     b = open_backend("memcached://10.0.0.1:11311,10.0.0.2,[::1]:5000?prefix=app:&timeout=2s")
     assert isinstance(b, MemcachedBackend)
-    assert sorted(b._servers) == ["10.0.0.1:11311", "10.0.0.2:11211", "::1:5000"]
-    assert b.prefix == b"app:" and b.timeout == 2.0
+    servers = [f"{host}:{port}" for host, port in b.store.servers]
+    assert sorted(servers) == ["10.0.0.1:11311", "10.0.0.2:11211", "::1:5000"]
+    assert b.store.prefix == b"app:" and b.timeout == 2.0
 
 
 @pytest.mark.parametrize(
@@ -227,7 +230,7 @@ def test_extend_keeps_the_token_that_inspect_shows(backend: MemcachedBackend) ->
         assert extended is not None and extended.token == grant.token
         info = backend.inspect("n")
         assert info is not None and info.holders[0].token == grant.token
-    backend._held.clear()  # the read path derives the same token
+    backend.store._held.clear()  # the read path derives the same token
     extended = backend.extend("n", A, 60)
     assert extended is not None and extended.token == grant.token
     assert backend.release("n", A) is True
@@ -307,16 +310,16 @@ def test_release_racing_a_takeover_leaves_the_new_holder_alone(
     plain delete removes B's lease. The CAS-checked delete must refuse instead. (The read
     path: a backend that does not remember the lease's CAS.)"""
     backend.acquire("n", A, INFO, 30)
-    backend._held.clear()
-    original = MemcachedBackend._mine
+    backend.store._held.clear()
+    original = Memcached._mine
 
-    def mine_then_takeover(self: MemcachedBackend, conn: _Connection, name: str, owner: str) -> Any:
-        found = original(self, conn, name, owner)
-        assert self.force_release(name)  # as if the lease had expired…
-        assert isinstance(self.acquire(name, B, INFO, 30), Grant)  # …and B took the name
+    def mine_then_takeover(self: Memcached, node: int, name: str, owner: str) -> Any:
+        found = yield from original(self, node, name, owner)
+        assert backend.force_release(name)  # as if the lease had expired… (another connection)
+        assert isinstance(backend.acquire(name, B, INFO, 30), Grant)  # …and B took the name
         return found
 
-    monkeypatch.setattr(MemcachedBackend, "_mine", mine_then_takeover)
+    monkeypatch.setattr(Memcached, "_mine", mine_then_takeover)
     assert backend.release("n", A) is False
     monkeypatch.undo()
     info = backend.inspect("n")
@@ -327,16 +330,16 @@ def test_extend_racing_a_takeover_does_not_overwrite(
     backend: MemcachedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend.acquire("n", A, INFO, 30)
-    backend._held.clear()
-    original = MemcachedBackend._mine
+    backend.store._held.clear()
+    original = Memcached._mine
 
-    def mine_then_takeover(self: MemcachedBackend, conn: _Connection, name: str, owner: str) -> Any:
-        found = original(self, conn, name, owner)
-        self.force_release(name)
-        self.acquire(name, B, INFO, 30)
+    def mine_then_takeover(self: Memcached, node: int, name: str, owner: str) -> Any:
+        found = yield from original(self, node, name, owner)
+        backend.force_release(name)
+        backend.acquire(name, B, INFO, 30)
         return found
 
-    monkeypatch.setattr(MemcachedBackend, "_mine", mine_then_takeover)
+    monkeypatch.setattr(Memcached, "_mine", mine_then_takeover)
     assert backend.extend("n", A, 60) is None
     monkeypatch.undo()
     assert backend.release("n", B) is True
@@ -356,7 +359,7 @@ def test_a_forked_child_neither_shares_sockets_nor_remembered_leases(
     backend: MemcachedBackend,
 ) -> None:
     assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
-    (server,) = backend._servers.values()
+    (server,) = backend.io.servers
     (parent_conn,) = server.idle
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
@@ -364,7 +367,7 @@ def test_a_forked_child_neither_shares_sockets_nor_remembered_leases(
         try:
             ok = backend.release("n", A) is True  # read first: the child remembers nothing
             (child_conn,) = server.idle
-            ok = ok and child_conn is not parent_conn and not backend._held
+            ok = ok and child_conn is not parent_conn and not backend.store._held
             code = 0 if ok else 2
         finally:
             os._exit(code)
@@ -435,11 +438,11 @@ def test_round_trips_per_operation(
     # A lease this backend did not take (another process's, same owner token): read first.
     backend.acquire("n", A, INFO, 30)
     backend.claim(names, A, INFO, 30)
-    backend._held.clear()
+    backend.store._held.clear()
     assert trips(lambda: backend.extend("n", A, 30)) == 2  # …and remembers the new CAS
     assert trips(lambda: backend.release("n", A)) == 1
     backend.acquire("n", A, INFO, 30)
-    backend._held.clear()
+    backend.store._held.clear()
     assert trips(lambda: backend.release("n", A)) == 2
     assert trips(lambda: backend.release_many(names, A)) == 2
 
@@ -473,7 +476,7 @@ class Trickle:
 
 def _pooled(backend: MemcachedBackend) -> _Connection:
     backend.inspect("warm-up")  # opens the connection
-    (server,) = backend._servers.values()
+    (server,) = backend.io.servers
     (conn,) = server.idle
     return conn
 
@@ -494,7 +497,7 @@ def test_replies_split_across_reads_are_parsed(backend: MemcachedBackend, size: 
     assert backend.release("n", A) is True  # "HD" in pieces
     assert backend.release("n", A) is False
     assert backend.inspect("n") is None
-    assert (backend._servers[next(iter(backend._servers))].idle or [None])[0] is conn
+    assert (backend.io.servers[0].idle or [None])[0] is conn
 
 
 def test_a_lease_longer_than_the_first_read_is_read_in_full(backend: MemcachedBackend) -> None:
@@ -578,7 +581,7 @@ def test_a_connection_idle_for_a_moment_is_reused_without_a_poll(
         return stale(c)
 
     monkeypatch.setattr(_Connection, "stale", counted)
-    monkeypatch.setattr(memcached_store, "_FRESH", 10.0)  # a loaded machine may pause 1 ms
+    monkeypatch.setattr(memcached_io, "_FRESH", 10.0)  # a loaded machine may pause 1 ms
     conn.idle_since = time.monotonic()  # just checked in
     assert isinstance(backend.acquire("n", A, INFO, 30), Grant)
     assert polls == []
@@ -644,7 +647,7 @@ def test_a_cas_remembered_before_a_restart_is_never_used_after_it(
     closing.extend([a, b])
     assert isinstance(a, MemcachedBackend) and isinstance(b, MemcachedBackend)
     assert isinstance(a.acquire("job", A, INFO, 60), Grant)
-    remembered = a._held["job", A][1]  # (key, CAS, …)
+    remembered = a.store._held["job", A][1]  # (key, CAS, …)
     server.stop()
     server.start()
     assert isinstance(b.acquire("job", B, INFO, 60), Grant)  # the same writes, in order…
@@ -769,7 +772,7 @@ def _async_backend(url: str) -> AsyncMemcachedBackend:
 
 
 def _async_pool(b: AsyncMemcachedBackend) -> Any:
-    (server,) = b._servers.values()
+    (server,) = b.io.servers
     return server
 
 
@@ -926,7 +929,7 @@ def test_async_request_cancelled_mid_reply_is_never_pooled(
             finally:
                 os.kill(server.pid, signal.SIGCONT)
             assert conn.is_closing() and pool.idle == []
-            assert not b._held  # the grant never reached us: nothing remembered…
+            assert not b.store._held  # the grant never reached us: nothing remembered…
             info = await b.inspect("n")  # …but the server stored it if the add was sent
             if info is not None:  # (the usual case; under load the cancel can come first)
                 assert await b.release("n", A) is True  # by reading: owner-checked, by CAS

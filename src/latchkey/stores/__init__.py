@@ -57,7 +57,7 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "mysql+getlock": _store("mysql_getlock", "GetLockBackend", ":AsyncGetLockBackend", "mysql"),
     "redis": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", "AsyncRedisBackend", "redis"),
-    "memcached": _store("memcached", "MemcachedBackend", "AsyncMemcachedBackend", "memcached"),
+    "memcached": _store("memcached", "MemcachedBackend", ":AsyncMemcachedBackend", "memcached"),
     "mongodb": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
     "mongodb+srv": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
 }
