@@ -32,8 +32,8 @@ from latchkey.stores.memcached import (
     AsyncMemcachedBackend,
     Memcached,
     MemcachedBackend,
-    _ttl_arg,
 )
+from latchkey.stores.memcached_wire import ttl_arg as _ttl_arg
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable

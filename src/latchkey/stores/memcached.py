@@ -1,108 +1,71 @@
 """``memcached://host:port[,host:port…]``: leases as memcached items that expire by their TTL.
 
 Seed 000 locked rows with a bare ``add``, which answers "not stored" both when the key exists
-and when the server is down. This store speaks memcached's *meta* protocol (``mg``/``ms``/
-``md``, memcached ≥ 1.6) and checks every reply: a server that does not answer is
-StoreUnavailable, never "busy". pymemcache gives the rendezvous hash that picks a name's server,
-not its clients (no meta commands; ``HashClient`` answers "not stored" for a failed server, then
-moves its keys to another, where a second holder could take a lock): a name lives on one
-server, and that server being down is an error. Keys: ``P lock:N``, ``P slotI:N`` (I ≥ 1, a
-semaphore's), ``P limit:N``, ``P record:N``, ``P instance`` (docs/stores/memcached.md).
-
-Fencing tokens are ``(S << 32) + CAS``: CAS, the lease item's unique from the server-wide
-counter (strictly increasing while the server runs; no counter item to evict or lose), and
-``S``, the server's start (``stats``: ``time - uptime``) in seconds since 2020, which a restart
-raises by the seconds the old server ran (its CAS counter starts again at 1). A lease stores
-``S`` (``"s"``); one rewritten by extend (a new CAS) stores its token (``"t"``).
-
-Acquire is one round trip (a quiet ``mg`` probe + an ``ms … ME`` add: the probe names the holder
-when the add fails, and an owner's own lease comes back as it is); release is one, by the CAS
-remembered from our acquire or extend (``md key C<cas>``), used only on the server process that
-gave it (its random ``P instance`` id), else it reads first. The driver runs :meth:`greet` on
-each new connection and keeps its answer, the session (S, instance id), with it (a connection
-never outlives its server process); the greeting sets the store clock, kept running on the
-local monotonic clock (memcached tells whole seconds: ± 0.5 s). Expiry is memcached's, whole
-seconds (TTL ``T`` lives ``T - 1`` to ``T`` s): a lease is stored with ``T = ceil(ttl) + 1``.
+and when the server is down. This store speaks the *meta* protocol (memcached ≥ 1.6) and checks
+every reply: a server that does not answer is StoreUnavailable, never "busy". A name lives on
+one server (pymemcache's rendezvous hash; its clients are not used: no meta commands, and a
+failed server's keys move to another, where a second holder could take a lock). Fencing
+tokens are ``(S << 32) + CAS``: the lease item's CAS unique (strictly increasing while the
+server runs) and ``S``, the server's start in seconds since 2020, which a restart raises.
+Acquire is one round trip (a quiet ``mg`` probe + an ``ms … ME`` add); release one, by the CAS
+remembered from our acquire or extend, used only on the server process that gave it (its
+``P instance`` id), else it reads first. The driver runs :meth:`Memcached.greet` on each new
+connection and keeps the session (S, instance id) with it; the greeting also sets the store
+clock (whole seconds, kept on the monotonic clock). A lease of ``ttl`` s is stored with TTL
+``ceil(ttl) + 1``. The design at length: docs/stores/memcached.md; the commands and the item
+format: :mod:`latchkey.stores.memcached_wire`; framing and connections: ``io/memcached.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import random
-import re
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from json.encoder import encode_basestring_ascii as _quote  # a str as a JSON literal (C)
-from typing import Any, NamedTuple
+from datetime import datetime
 
 from pymemcache.client.rendezvous import RendezvousHash
 
-from latchkey._owner import Owner
-from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._types import Busy, Grant, LockInfo
 from latchkey._url import Option, key_prefix
 from latchkey.errors import ConfigError, Unsupported
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps, after_fork
 from latchkey.stores.io.memcached import ProtocolError, Reply, flag, stats, trip, written
+from latchkey.stores.memcached_wire import (
+    ADD,
+    DEFAULT_PORT,
+    DELETE,
+    DELETE_IF,
+    KIND_ROOM,
+    MAX_KEY,
+    MONTH,
+    NEW_LEASE,
+    PROBE_ADD,
+    READ,
+    REPLACE_IF,
+    REWRITTEN_LEASE,
+    SET_FOREVER,
+    STATS,
+    Held,
+    Lease,
+    Session,
+    dt,
+    encode_name,
+    json_text,
+    ms,
+    new_cas,
+    read_lease,
+    ttl_arg,
+)  # fmt: skip
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 
-DEFAULT_PORT, MAX_KEY = 11211, 250  # memcached's port, and its key length limit (bytes)
-_KIND_ROOM = 24  # bytes kept free in a key for the kind ("slot12345:")
-_MONTH = 30 * 24 * 3600  # memcached reads larger TTLs as absolute Unix times
-_PLAIN = re.compile(r"[!-~]+")  # printable ASCII without space: usable in a key as is
 EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
 _HELD_MAX = 4096  # leases whose CAS a store remembers for one-round-trip release/extend
-_fromtimestamp, _UTC = datetime.fromtimestamp, timezone.utc  # the hot path's, looked up once
 _monotonic, _ceil = time.monotonic, math.ceil
-# Requests (:mod:`latchkey.stores.io.memcached`): ``node`` (an int, the server's index in the
-# URL) for the session of the primitive's connection to it; trip(node, commands) or a tuple
-# ``(node, commands, count, probe, session)`` for one round trip and its replies.
-
-# Commands (%b: a key, prefixed, plain ASCII, ≤ 250 bytes). Read: value, TTL left (whole s)
-# and CAS: ``VA <len> t<ttl> c<cas>`` + value, or ``EN`` when absent or expired.
-READ = b"mg %b v t c\r\n"
-# Take a slot only if absent (ME: add; an expired item counts as absent), TTL T, return the
-# new CAS: ``HD c<cas>`` stored, ``NS`` taken. The mutual exclusion: memcached adds atomically.
-ADD = b"ms %b %d T%d ME c\r\n%b\r\n"
-# A quiet read (a miss sends nothing) then the add of the same key: an acquire, one trip.
-PROBE_ADD = b"mg %b v t c q\r\n" + ADD
-# Rewrite only if the CAS is the one we know: ``HD c<new cas>``; ``EX`` changed, ``NF`` gone.
-REPLACE_IF = b"ms %b %d T%d C%d c\r\n%b\r\n"
-# Delete only if the CAS is the one we know: the owner-checked release (never get-then-delete,
-# which can delete a newer holder's lease). ``HD``; ``EX`` changed since, ``NF`` gone.
-DELETE_IF = b"md %b C%d\r\n"
-DELETE = b"md %b\r\n"  # force_release only: ``HD`` deleted a live item, ``NF`` absent
-SET_FOREVER = b"ms %b %d T0 c\r\n%b\r\n"  # a semaphore's slot count, no TTL: ``HD c<cas>``
-# A lease (JSON): name, owner token, owner info (JSON text as a string), then S (a new lease:
-# its token derives from its CAS) or the token (a rewritten lease), acquired and expires (ms).
-NEW_LEASE = b'{"n":%b,"o":%b,"i":%b,"s":%d,"a":%d,"e":%d}'
-REWRITTEN_LEASE = b'{"n":%b,"o":%b,"i":%b,"t":%d,"a":%d,"e":%d}'
-STATS = b"stats\r\n"  # ``STAT time <unix s>``, ``STAT uptime <s>``, …, ``END``
-
-# What the store remembers of a lease it took or extended, to release or extend it in one
-# trip: (key, CAS, the session (S, instance id) of the server process whose counter gave the
-# CAS, token, owner info, acquired ms). A plain tuple: a NamedTuple costs 20 times more.
-_Held = tuple[bytes, int, "Session", int, str, int]
-Session = tuple[int, "bytes | None"]
-
-
-class _Lease(NamedTuple):
-    key: bytes
-    owner: str
-    token: int
-    acquired: float
-    expires: float
-    data: dict[str, Any]
-    ttl_left: int  # memcached's remaining TTL, whole seconds
-    cas: int
-
-    def holder(self) -> Holder:
-        info = Owner.from_json(self.data.get("i"))
-        return Holder(self.token, info, _dt(self.acquired), _dt(self.expires))
+# Requests: see :mod:`latchkey.stores.io.memcached`.
 
 
 class Memcached(Store):
@@ -124,7 +87,7 @@ class Memcached(Store):
         if url.path.strip("/"):
             raise ConfigError(f"memcached store: unexpected path {url.path!r} in the URL")
         self.prefix: bytes = self.config["prefix"].encode("ascii")
-        self._room = MAX_KEY - _KIND_ROOM - len(self.prefix)  # for a plain name in a key
+        self._room = MAX_KEY - KIND_ROOM - len(self.prefix)  # for a plain name in a key
         self.servers = [(host, port or DEFAULT_PORT) for host, port in url.hosts]  # by node
         self._nodes = {f"{host}:{port}": node for node, (host, port) in enumerate(self.servers)}
         self._ring = RendezvousHash(list(self._nodes))
@@ -133,7 +96,7 @@ class Memcached(Store):
         self._sessions: list[Session | None] = [None] * len(self.servers)  # the last greeted
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this store
         self._names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
-        self._held: dict[tuple[str, str], _Held] = {}  # (name, owner) → our lease's CAS, …
+        self._held: dict[tuple[str, str], Held] = {}  # (name, owner) → our lease's CAS, …
         self._info = ("", b'""')  # the last owner_info and its JSON string literal
         after_fork(self)
 
@@ -161,16 +124,12 @@ class Memcached(Store):
         return self.prefix + label.encode("ascii") + b":" + self._encode(name)
 
     def _encode(self, name: str) -> bytes:
-        """The name's part of its keys: itself when plain, else ``#`` + SHA-256 hex."""
-        raw = name.encode("utf-8")
-        if _PLAIN.fullmatch(name) and name[0] != "#" and len(raw) <= self._room:
-            return raw
-        return b"#" + hashlib.sha256(raw).hexdigest().encode("ascii")
+        return encode_name(name, self._room)
 
     def _hot_name(self, name: str) -> tuple[bytes, bytes]:
         """``P lock:N`` and the name as a JSON literal, remembered for names used lately."""
         self._names = self._names if len(self._names) < _HELD_MAX else {}
-        known = self._names[name] = (self._key("lock", name), _json(name))
+        known = self._names[name] = (self._key("lock", name), json_text(name))
         return known
 
     def _node(self, name: str) -> int:
@@ -180,12 +139,12 @@ class Memcached(Store):
         nodes = [self._node(name) for name in names]
         return {n: [x for x, m in zip(names, nodes, strict=True) if m == n] for n in set(nodes)}
 
-    def _remember(self, name: str, owner: str, held: _Held) -> None:
+    def _remember(self, name: str, owner: str, held: Held) -> None:
         if len(self._held) >= _HELD_MAX:  # bounded: drop the oldest (never released, say)
             self._held.pop(next(iter(self._held), ("", "")), None)
         self._held[name, owner] = held
 
-    def _forget(self, name: str, owner: str, session: Session) -> _Held | None:
+    def _forget(self, name: str, owner: str, session: Session) -> Held | None:
         """What we remember of (name, owner), if valid on the server process of ``session``."""
         held = self._held.pop((name, owner), None)
         if held is None or held[2] != session:
@@ -193,7 +152,7 @@ class Memcached(Store):
         return held
 
     def _taken(
-        self, live: Sequence[_Lease], name: str, owner: str, session: Session, node: int
+        self, live: Sequence[Lease], name: str, owner: str, session: Session, node: int
     ) -> Grant | Busy:
         """An acquire that added no lease (``live``: the leases it saw): the owner's lease as
         it is (never a second slot), or Busy; memcached's TTL left caps the times given."""
@@ -207,7 +166,7 @@ class Memcached(Store):
             info, acquired = str(mine.data["i"]), int(mine.data["a"])
             self._remember(name, owner, (mine.key, mine.cas, session, mine.token, info, acquired))
         left = min(mine.expires - self._offsets[node] - _monotonic(), mine.ttl_left - 1.0)
-        return Grant(mine.token, _dt(mine.expires), max(0.0, left))
+        return Grant(mine.token, dt(mine.expires), max(0.0, left))
 
     def _each_slot(
         self, node: int, name: str, command: bytes, limit: int = 0
@@ -226,8 +185,8 @@ class Memcached(Store):
             replies += yield trip(node, [command % k for k in more])
         return list(zip(keys, replies[1:], strict=True))
 
-    def _mine(self, node: int, name: str, owner: str) -> Steps[_Lease | None]:
-        slots = [_lease(k, r) for k, r in (yield from self._each_slot(node, name, READ))]
+    def _mine(self, node: int, name: str, owner: str) -> Steps[Lease | None]:
+        slots = [read_lease(k, r) for k, r in (yield from self._each_slot(node, name, READ))]
         return next((s for s in slots if s and s.owner == owner), None)
 
     def acquire(
@@ -238,25 +197,25 @@ class Memcached(Store):
         seen; on a connection of another (the driver's answer), built again."""
         node = 0 if self._one else self._node(name)
         session = self._sessions[node] or (yield node)
-        live: list[_Lease] = []
+        live: list[Lease] = []
         if limit == 1:  # a mutex: try the add at once
             key, quoted_name = self._names.get(name) or self._hot_name(name)
         else:
             read = yield from self._each_slot(node, name, READ, limit)
-            slots = [(k, _lease(k, r)) for k, r in read]
+            slots = [(k, read_lease(k, r)) for k, r in read]
             live = [s for _, s in slots if s]
             if len(live) == limit or any(s.owner == owner for s in live):
                 return self._taken(live, name, owner, session, node)
             key = random.choice([k for k, s in slots if not s])  # contenders spread out
-            quoted_name = _json(name)
+            quoted_name = json_text(name)
         now = self._offsets[node] + _monotonic()
         acquired = int(now * 1000)
         expires, expiry = acquired + round(ttl * 1000), _ceil(ttl) + 1
         last, info = self._info
         if owner_info is not last:  # the core passes the same owner JSON text again and again
-            self._info = (owner_info, info := _json(owner_info))
-        value = NEW_LEASE % (quoted_name, _json(owner), info, session[0], acquired, expires)
-        expiry = expiry if expiry <= _MONTH else int(now) + expiry  # as _ttl_arg()
+            self._info = (owner_info, info := json_text(owner_info))
+        value = NEW_LEASE % (quoted_name, json_text(owner), info, session[0], acquired, expires)
+        expiry = expiry if expiry <= MONTH else int(now) + expiry  # as ttl_arg()
         answer = yield (node, PROBE_ADD % (key, key, len(value), expiry, value), 2, True, session)
         if answer.__class__ is tuple:  # a connection to a newer server process: again
             self._sessions[node] = answer
@@ -266,14 +225,14 @@ class Memcached(Store):
         if line[:4] == b"HD c" and (digits := line[4:]).isdigit() and (cas := int(digits)) > 0:
             pass  # stored: the common reply, taken as is
         elif not written(added):
-            winner = _lease(key, probe)  # who holds the slot (None: it was taken just now)
+            winner = read_lease(key, probe)  # who holds the slot (None: it was taken just now)
             return self._taken([*live, winner] if winner else live, name, owner, session, node)
         else:
-            cas = _new_cas(added)
+            cas = new_cas(added)
         token = (session[0] << 32) + cas
         if session[1] is not None:
             self._remember(name, owner, (key, cas, session, token, owner_info, acquired))
-        return Grant(token, _fromtimestamp(expires / 1000, _UTC))  # the lease's, to the ms
+        return Grant(token, dt(expires / 1000))  # the lease's, to the ms
 
     def release(self, name: str, owner: str) -> Steps[bool]:
         """By the CAS we remember (one trip); else, or if it changed or is gone, read first."""
@@ -297,29 +256,29 @@ class Memcached(Store):
                 return grant
         if (mine := (yield from self._mine(node, name, owner))) is None:
             return None
-        held = (mine.key, mine.cas, session, mine.token, mine.data["i"], _ms(mine.acquired))
+        held = (mine.key, mine.cas, session, mine.token, mine.data["i"], ms(mine.acquired))
         return (yield from self._rewrite(node, session, name, owner, held, ttl))
 
     def _rewrite(
-        self, node: int, session: Session, name: str, owner: str, held: _Held, ttl: float
+        self, node: int, session: Session, name: str, owner: str, held: Held, ttl: float
     ) -> Steps[Grant | None]:
         """A new expiry if the CAS is still the one held; the value now holds the token."""
         key, cas, _, token, info, acquired_ms = held
         now = self._offsets[node] + _monotonic()
         value = REWRITTEN_LEASE % (
-            _json(name), _json(owner), _json(info), token, acquired_ms, _ms(now + ttl)
+            json_text(name), json_text(owner), json_text(info), token, acquired_ms, ms(now + ttl)
         )  # fmt: skip
-        command = REPLACE_IF % (key, len(value), _ttl_arg(ttl, now), cas, value)
+        command = REPLACE_IF % (key, len(value), ttl_arg(ttl, now), cas, value)
         if not written(reply := (yield trip(node, [command]))[0]):
             return None
         if session[1] is not None:
-            self._remember(name, owner, (key, _new_cas(reply), session, token, info, acquired_ms))
-        return Grant(token, _dt(now + ttl))
+            self._remember(name, owner, (key, new_cas(reply), session, token, info, acquired_ms))
+        return Grant(token, dt(now + ttl))
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
         slots = yield from self._each_slot(self._node(name), name, READ)
         live = sorted(
-            filter(None, [_lease(k, r) for k, r in slots]), key=lambda s: (s.acquired, s.token)
+            filter(None, [read_lease(k, r) for k, r in slots]), key=lambda s: (s.acquired, s.token)
         )
         return LockInfo(name, tuple(s.holder() for s in live)) if live else None
 
@@ -343,17 +302,21 @@ class Memcached(Store):
         for node, group in self._by_node(names).items():
             session = started, _ = yield node
             now = self._offsets[node] + _monotonic()
-            acquired, expires, quoted = _ms(now), _ms(now + ttl), (_json(owner), _json(owner_info))
+            acquired, expires, quoted = (
+                ms(now),
+                ms(now + ttl),
+                (json_text(owner), json_text(owner_info)),
+            )
             hot = [self._hot_name(name) for name in group]
             values = [NEW_LEASE % (n, *quoted, started, acquired, expires) for _, n in hot]
             adds = [
-                ADD % (k, len(v), _ttl_arg(ttl, now), v)
+                ADD % (k, len(v), ttl_arg(ttl, now), v)
                 for (k, _), v in zip(hot, values, strict=True)
             ]
             for name, (key, _), reply in zip(group, hot, (yield trip(node, adds)), strict=True):
                 if written(reply):  # else held by someone else: skipped
-                    token = (started << 32) + (cas := _new_cas(reply))
-                    grants[name] = Grant(token, _dt(now + ttl))
+                    token = (started << 32) + (cas := new_cas(reply))
+                    grants[name] = Grant(token, dt(now + ttl))
                     if session[1] is not None:
                         self._remember(
                             name, owner, (key, cas, session, token, owner_info, acquired)
@@ -377,7 +340,9 @@ class Memcached(Store):
                 replies = yield trip(node, commands + [READ % k for k in reads])
                 done = [written(r) for r in replies[: len(deletes)]]
                 released += sum(done)
-                found = [_lease(k, r) for k, r in zip(reads, replies[len(deletes) :], strict=True)]
+                found = [
+                    read_lease(k, r) for k, r in zip(reads, replies[len(deletes) :], strict=True)
+                ]
                 reads = [k for (k, _, mem), ok in zip(deletes, done, strict=True) if mem and not ok]
                 deletes = [(s.key, s.cas, False) for s in found if s and s.owner == owner]
         return released
@@ -420,7 +385,7 @@ class Memcached(Store):
         before = _monotonic()
         ((_, block),) = yield trip(0, [STATS])
         self._offsets[0] = stats(block, b"time")[0] + 0.5 - (before + _monotonic()) / 2
-        return _dt(self._offsets[0] + _monotonic())
+        return dt(self._offsets[0] + _monotonic())
 
 
 class MemcachedBackend(StoreBackend):
@@ -429,42 +394,3 @@ class MemcachedBackend(StoreBackend):
 
 class AsyncMemcachedBackend(AsyncStoreBackend):
     store_class = Memcached
-
-
-def _new_cas(reply: Reply) -> int:
-    """The CAS unique of the item a successful ``ms … c`` just wrote (never 0 with CAS on)."""
-    if (cas := flag(reply[0], b"c")) <= 0:
-        raise ProtocolError("memcached returned no CAS value (is it running with -C?)")
-    return cas
-
-
-def _lease(key: bytes, reply: Reply | None) -> _Lease | None:
-    """The lease in a slot, from its read (None: absent or expired)."""
-    if reply is None or reply[0][:2] == b"EN":
-        return None
-    line, value = reply
-    try:
-        data = json.loads(value if line[:2] == b"VA" and value is not None else b"")
-        cas, acquired, expires = flag(line, b"c"), data["a"] / 1000, data["e"] / 1000
-        token = int(data["t"]) if "t" in data else (int(data["s"]) << 32) + cas
-        return _Lease(key, str(data["o"]), token, acquired, expires, data, flag(line, b"t"), cas)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ProtocolError(f"unreadable lease at {key!r}: {line!r} {exc}") from None
-
-
-def _json(text: str) -> bytes:
-    return _quote(text).encode("ascii")  # ``text`` as a JSON string literal (ASCII)
-
-
-def _dt(seconds: float) -> datetime:
-    return _fromtimestamp(seconds, _UTC)
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
-
-
-def _ttl_arg(ttl: float, server_now: float) -> int:
-    """memcached's TTL for a lease of ``ttl`` seconds: long enough that it never ends early."""
-    whole = math.ceil(ttl) + 1
-    return whole if whole <= _MONTH else int(server_now) + whole
