@@ -25,7 +25,6 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.io.pymysql import LeanPool
 from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend, connect_args
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
@@ -327,45 +326,6 @@ def test_the_text_statements_mysql_gets(backend: MySQLBackend) -> None:
     taken = backend.acquire("text", first, INFO, 30)  # over the expired row
     assert isinstance(taken, Grant) and taken.token is not None and taken.token > short.token
     assert backend.release("text", second) is False
-
-
-def test_the_sync_pool_opens_at_most_its_size_and_queues_the_rest() -> None:
-    """The sync driver's pool (lock-free reuse): never more than ``size`` connections, never
-    one connection to two threads; a caller queues for one (up to its timeout, if any);
-    close() closes the idle ones and those in use as they come back."""
-    opened: list[object] = []
-    closed: list[object] = []
-    pool = LeanPool(lambda: opened.append(object()) or opened[-1], closed.append, bool, 3)
-    in_use: set[int] = set()
-    guard = threading.Lock()
-    shared: list[bool] = []
-
-    def worker() -> None:
-        for _ in range(200):
-            conn = pool.get()
-            with guard:
-                shared.append(id(conn) in in_use)
-                in_use.add(id(conn))
-            time.sleep(0.0001)
-            with guard:
-                in_use.discard(id(conn))
-            pool.put(conn)
-
-    threads = [threading.Thread(target=worker) for _ in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert len(opened) <= 3 and not any(shared)
-    held = [pool.get(), pool.get(), pool.get()]
-    with pytest.raises(TimeoutError):
-        pool.get(0.1)
-    pool.put(held.pop())
-    pool.close()
-    assert len(closed) == len(opened) - 2  # the idle ones
-    for conn in held:
-        pool.put(conn)  # opened before close(): closed now
-    assert sorted(map(id, closed)) == sorted(map(id, opened))
 
 
 def test_a_forked_child_uses_its_own_connection(backend: MySQLBackend) -> None:

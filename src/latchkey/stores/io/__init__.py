@@ -111,15 +111,20 @@ if hasattr(os, "register_at_fork"):
 
 
 class Pool(Generic[C]):
-    """Connections of one sync driver, shared by the threads of one process.
+    """Connections of one sync driver, shared by the threads of one process: reused last-in
+    first-out, at most ``size`` open (callers queue for one, up to the timeout given to
+    :meth:`get`), ``alive(conn)`` asked before each reuse (a cheap local test, e.g. has the
+    server hung up: no round trip), never used across ``fork()`` (a child opens its own and
+    leaves its parent's sockets alone). :meth:`close` closes the idle connections and those
+    in use as they come back; the pool can be used again afterwards (it opens new ones).
 
-    ``open()`` makes a connection, ``close(conn)`` ends one (errors ignored), ``alive(conn)``
-    says whether an idle one can still be used — called only for a connection idle for
-    ``check_after`` seconds or more (a cheap local test, e.g. has the server hung up), so the
-    hot path pays nothing. ``keep(exc)`` says whether an error leaves the connection usable
+    The fast path takes no lock: a free connection is taken with ``list.pop()`` and given
+    back with ``list.append()`` (each atomic in CPython); the lock is taken only to open one,
+    to wait for one, or to wake a waiter. (A Condition-guarded get + put cost ~11 µs a call
+    here against ~2.5 µs: 3-4 % of a MariaDB acquire + release pair.)
+
+    ``keep(exc)`` (for :meth:`connection`) says whether an error leaves the connection usable
     (a statement error) or not (the default: it is closed, the next caller opens a new one).
-    :meth:`close` closes the idle connections and those in use as they come back; the pool
-    can be used again afterwards (it opens new ones).
     """
 
     def __init__(
@@ -130,80 +135,90 @@ class Pool(Generic[C]):
         alive: Callable[[C], bool] | None = None,
         keep: Callable[[Exception], bool] | None = None,
         size: int = 8,
-        check_after: float = 0.0,
     ) -> None:
         self._open, self._close, self._alive, self._keep = open, close, alive, keep
         self.size = size
-        self.check_after = check_after
         self._reset()
         after_fork(self)
 
     def _reset(self) -> None:
-        self._idle: list[tuple[C, float]] = []
-        self._busy: dict[int, int] = {}  # id(conn) -> the generation it was opened in
+        self._idle: list[C] = []
+        self._born: dict[int, int] = {}  # id(conn) -> the generation it was opened in
+        self._count = 0  # open or being opened
+        self._waiting = 0
         self._generation = 0
         self._cond = threading.Condition(threading.Lock())
-        self._pid = os.getpid()
 
     def forget_after_fork(self) -> None:
-        self._reset()
+        self._reset()  # the parent's connections: neither used nor closed here
 
-    def get(self, timeout: float) -> C:
-        """An idle connection, or a new one; waits up to ``timeout`` when ``size`` are busy."""
-        with self._cond:
-            if self._pid != os.getpid():  # forked without register_at_fork
-                self._reset()
-            deadline = None
-            while not self._idle and len(self._busy) >= self.size:
-                deadline = deadline or time.monotonic() + timeout
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    raise TimeoutError(f"no free connection within {timeout:g}s")
-            generation = self._generation
-            conn: Any = None
-            since = 0.0
-            if self._idle:
-                conn, since = self._idle.pop()
-                self._busy[id(conn)] = generation
-                if self._alive is None or time.monotonic() - since < self.check_after:
-                    return conn  # type: ignore[no-any-return]
-        if conn is not None:
-            if self._alive is not None and self._alive(conn):
-                return conn  # type: ignore[no-any-return]
-            self.discard(conn)
-        try:
-            conn = self._open()
-        except BaseException:
+    def get(self, timeout: float | None = None) -> C:
+        """A free connection that is still alive, or a new one; while ``size`` are in use,
+        waits for one (up to ``timeout`` seconds if given: TimeoutError after that)."""
+        deadline = 0.0
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                pass
+            else:
+                if self._alive is None or self._alive(conn):
+                    return conn
+                self.discard(conn)
+                continue
             with self._cond:
-                self._cond.notify()
-            raise
-        with self._cond:
-            self._busy[id(conn)] = generation
-        return conn  # type: ignore[no-any-return]
+                if self._count >= self.size and not self._idle:
+                    if timeout is not None:
+                        deadline = deadline or time.monotonic() + timeout
+                    self._waiting += 1
+                    try:
+                        while self._count >= self.size and not self._idle:
+                            if timeout is None:
+                                self._cond.wait()
+                                continue
+                            left = deadline - time.monotonic()
+                            if left <= 0 or not self._cond.wait(left):
+                                raise TimeoutError(f"no free connection within {timeout:g}s")
+                    finally:
+                        self._waiting -= 1
+                if self._idle:
+                    continue
+                self._count += 1
+                generation = self._generation
+            try:
+                conn = self._open()
+            except BaseException:
+                with self._cond:
+                    self._count -= 1
+                    self._cond.notify()
+                raise
+            self._born[id(conn)] = generation
+            return conn
 
     def put(self, conn: C) -> None:
         """Give back a connection in a known state."""
-        with self._cond:
-            if self._pid != os.getpid():
-                return  # the parent's: not ours to close or reuse
-            generation = self._busy.pop(id(conn), None)
-            self._cond.notify()
-            if generation == self._generation:
-                self._idle.append((conn, time.monotonic()))
-                return
-        self._close(conn)  # opened before close(): close it now
+        generation = self._born.get(id(conn))
+        if generation is None:
+            return  # opened before a fork: the parent's, not ours to close or reuse
+        if generation != self._generation:
+            self.discard(conn)  # opened before close()
+            return
+        self._idle.append(conn)
+        if self._waiting:
+            with self._cond:
+                self._cond.notify()
 
     def discard(self, conn: C) -> None:
         """Close a connection whose state is unknown (an error or an interrupt mid-call)."""
         with self._cond:
-            if self._pid != os.getpid():
-                return
-            self._busy.pop(id(conn), None)
+            if self._born.pop(id(conn), None) is None:
+                return  # the parent's
+            self._count -= 1
             self._cond.notify()
         self._close(conn)
 
     @contextlib.contextmanager
-    def connection(self, timeout: float) -> Iterator[C]:
+    def connection(self, timeout: float | None = None) -> Iterator[C]:
         """A connection for the block: given back after it, closed if the block failed with
         an error that ``keep`` does not accept."""
         conn = self.get(timeout)
@@ -223,10 +238,7 @@ class Pool(Generic[C]):
     def close(self) -> None:
         """Close the idle connections; those in use are closed when given back."""
         with self._cond:
-            if self._pid != os.getpid():
-                self._reset()
-                return
-            idle, self._idle = self._idle, []
             self._generation += 1
-        for conn, _ in idle:
-            self._close(conn)
+            idle, self._idle = self._idle, []
+        while idle:
+            self.discard(idle.pop())

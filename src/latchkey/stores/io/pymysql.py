@@ -1,18 +1,17 @@
 """MySQL and MariaDB through PyMySQL: the sync driver of ``mysql://`` (and the helpers the
 GET_LOCK store shares: :func:`connect`, :func:`server_hung_up`, :func:`socket_of`).
 
-Connections come from a :class:`LeanPool` (at most ``POOL_SIZE``, reused last-in first-out,
-never across ``fork()``), each with its one cursor. A new connection runs the store's
-``setup()`` statements first (session settings, tables, MariaDB's prepared statements), so a
-primitive starts only once it holds a connection. A request is a
+Connections come from the shared :class:`~latchkey.stores.io.Pool` (at most ``POOL_SIZE``,
+reused last-in first-out, never across ``fork()``), each with its one cursor. A new connection
+runs the store's ``setup()`` statements first (session settings, tables, MariaDB's prepared
+statements), so a primitive starts only once it holds a connection. A request is a
 :class:`~latchkey.stores.sql.Query`, answered with the last result set's rows and the last
-statement's row count. A server error the store maps in ``REFUSED`` is raised into its
-primitive as that :class:`~latchkey.stores.mysql.Refused` subclass (the statement was rolled
-back, the connection is kept); any other error closes the connection and becomes
-StoreUnavailable. Every socket operation is bounded by the store's timeout (PyMySQL's connect,
-read and write timeouts); the turn for a pooled connection is not (it waits behind this
-process's other calls, each of them bounded), as the wait for the one connection guarded by
-a lock was before.
+statement's row count. A server error the store maps in ``REFUSED`` is raised into its primitive
+as that :class:`~latchkey.stores.mysql.Refused` subclass (the statement was rolled back, the
+connection is kept); any other error closes the connection and becomes StoreUnavailable. Every
+socket operation is bounded by the store's timeout (PyMySQL's connect, read and write timeouts);
+the turn for a pooled connection is not (it waits behind this process's other calls, each of
+them bounded), as the wait for the one connection guarded by a lock was before.
 
 Idle connections the server ended (a restart, ``wait_timeout``, ``KILL``): PyMySQL has no
 public way to reach its socket, so :func:`connect` opens the socket itself and hands it to
@@ -33,24 +32,21 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
-import threading
-import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pymysql
 from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
-from latchkey.stores.io import Driver, Steps, after_fork, drive
+from latchkey.stores.io import Driver, Pool, Steps, drive
 from latchkey.stores.mysql import REFUSED, Refused
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
 T = TypeVar("T")
-C = TypeVar("C")
 
 #: Every error a PyMySQL call can raise.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (pymysql.err.MySQLError, OSError)
@@ -152,119 +148,13 @@ class Connection:
             self.conn.close()
 
 
-class LeanPool(Generic[C]):
-    """:class:`latchkey.stores.io.Pool`'s contract — connections reused last-in first-out, at
-    most ``size`` open (callers queue for one, up to a timeout if given), ``alive(conn)`` asked
-    before each reuse, :meth:`close` closes the idle ones and those in use as they come back,
-    never used across ``fork()`` — with a fast path that takes no lock: a free connection is
-    taken with ``list.pop()`` and given back with ``list.append()`` (each atomic in CPython);
-    the lock is taken only to open one, to wait for one, or to wake a waiter.
-
-    Why not io.Pool: its get + put (a Condition's lock and notify, two ``getpid()``, two
-    clock reads) and its context manager cost ~11 µs a call on this machine against ~2.5 µs
-    here (a store generator driven over an instant answer, best of 5 runs of 200,000 calls):
-    ~17 µs more an acquire + release pair, 3-4 % of a MariaDB pair.
-    """
-
-    def __init__(
-        self, open: Callable[[], C], close: Callable[[C], None], alive: Callable[[C], bool],
-        size: int,
-    ) -> None:  # fmt: skip
-        self._open, self._close, self._alive, self.size = open, close, alive, size
-        self._reset()
-        after_fork(self)
-
-    def _reset(self) -> None:
-        self._idle: list[C] = []
-        self._born: dict[int, int] = {}  # id(conn) -> the generation it was opened in
-        self._count = 0  # open or being opened
-        self._waiting = 0
-        self._generation = 0
-        self._cond = threading.Condition(threading.Lock())
-
-    def forget_after_fork(self) -> None:
-        self._reset()  # the parent's connections: neither used nor closed here
-
-    def get(self, timeout: float | None = None) -> C:
-        """A free connection that is still alive, or a new one; while ``size`` are in use,
-        waits for one (up to ``timeout`` seconds if given)."""
-        deadline = 0.0
-        while True:
-            try:
-                conn = self._idle.pop()
-            except IndexError:
-                pass
-            else:
-                if self._alive(conn):
-                    return conn
-                self.discard(conn)
-                continue
-            with self._cond:
-                if self._count >= self.size and not self._idle:
-                    if timeout is not None:
-                        deadline = deadline or time.monotonic() + timeout
-                    self._waiting += 1
-                    try:
-                        while self._count >= self.size and not self._idle:
-                            if timeout is None:
-                                self._cond.wait()
-                                continue
-                            left = deadline - time.monotonic()
-                            if left <= 0 or not self._cond.wait(left):
-                                raise TimeoutError(f"no free connection within {timeout:g}s")
-                    finally:
-                        self._waiting -= 1
-                if self._idle:
-                    continue
-                self._count += 1
-                generation = self._generation
-            try:
-                conn = self._open()
-            except BaseException:
-                with self._cond:
-                    self._count -= 1
-                    self._cond.notify()
-                raise
-            self._born[id(conn)] = generation
-            return conn
-
-    def put(self, conn: C) -> None:
-        """Give back a connection in a known state."""
-        generation = self._born.get(id(conn))
-        if generation is None:
-            return  # opened before a fork: the parent's, not ours to close or reuse
-        if generation != self._generation:
-            self.discard(conn)  # opened before close()
-            return
-        self._idle.append(conn)
-        if self._waiting:
-            with self._cond:
-                self._cond.notify()
-
-    def discard(self, conn: C) -> None:
-        """Close a connection whose state is unknown (an error or an interrupt mid-call)."""
-        with self._cond:
-            if self._born.pop(id(conn), None) is None:
-                return  # the parent's
-            self._count -= 1
-            self._cond.notify()
-        self._close(conn)
-
-    def close(self) -> None:
-        with self._cond:
-            self._generation += 1
-            idle, self._idle = self._idle, []
-        while idle:
-            self.discard(idle.pop())
-
-
 class PyMySQLDriver(Driver):
     errors = (*DRIVER_ERRORS, Refused)
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
-        self.pool: LeanPool[Connection] = LeanPool(
-            self._open, Connection.close, Connection.alive, POOL_SIZE
+        self.pool: Pool[Connection] = Pool(
+            self._open, Connection.close, alive=Connection.alive, size=POOL_SIZE
         )
 
     def _open(self) -> Connection:
