@@ -64,7 +64,7 @@ def _session(backend: Any) -> Any:
     """The session the next statement runs on: the lease table's most recently used pooled
     connection (a Session), the advisory store's session."""
     if isinstance(backend, (PostgreSQLBackend, AsyncPostgreSQLBackend)):
-        return backend.io.pool._idle[-1][0]
+        return backend.io.pool._idle[-1]
     return backend.io.main
 
 
