@@ -98,6 +98,11 @@ class AsyncRedisDriver(AsyncDriver):
             size=POOL_SIZE,
             check_after=CHECK_AFTER,
         )
+        # Callers queue here, first come first served, before the pool: the pool's own wait
+        # lets a newcomer take a connection a woken waiter was promised, and under a herd
+        # (a release wakes a thousand waiters, each acquires once) a waiter sent back to the
+        # end of the line time and again ran out of the store's timeout.
+        self._turns = asyncio.Semaphore(POOL_SIZE)
         self._listener: Listener | None = None
         self._listener_lock = asyncio.Lock()
 
@@ -120,17 +125,18 @@ class AsyncRedisDriver(AsyncDriver):
     async def call(self, packed: bytes) -> Any:
         """Send one packed command on a pooled connection, read its reply."""
         pool = self.pool
-        conn = await pool.get(self.timeout)
-        try:
-            await conn.send_packed_command(packed, check_health=False)  # connects if it must
-            reply = await conn.read_response()
-        except redis.ResponseError:
+        async with self._turns:
+            conn = await pool.get(self.timeout)
+            try:
+                await conn.send_packed_command(packed, check_health=False)  # connects if need be
+                reply = await conn.read_response()
+            except redis.ResponseError:
+                await pool.put(conn)
+                raise
+            except BaseException:  # cancelled or failed mid-command: its state is unknown
+                await asyncio.shield(pool.discard(conn))
+                raise
             await pool.put(conn)
-            raise
-        except BaseException:  # cancelled or failed mid-command: its state is unknown
-            await asyncio.shield(pool.discard(conn))
-            raise
-        await pool.put(conn)
         return reply
 
     async def subscribe(self, channel: str) -> AsyncWaiter:
