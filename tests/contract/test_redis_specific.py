@@ -497,7 +497,7 @@ def test_an_idle_connection_the_server_closed_is_replaced(backend: RedisBackend)
     """Like redis-py's pool: a pooled connection the server closed while it sat idle is
     reconnected before use, not reported as an outage."""
     assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
-    assert backend.io.pool._idle
+    assert backend.io.pool.idle
     kwargs = backend.io.client.connection_pool.connection_kwargs
     with redis.Redis(host=kwargs["host"], port=kwargs["port"]) as admin:
         killed = admin.client_kill_filter(_type="normal", skipme=True)
@@ -549,8 +549,8 @@ def test_threads_share_the_connections(backend: RedisBackend) -> None:
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors[0]
-    assert 1 <= len(backend.io.pool._idle) <= 8
-    idle = [conn for conn, _ in backend.io.pool._idle]
+    assert 1 <= len(backend.io.pool.idle) <= 8
+    idle = [conn for conn, _ in backend.io.pool.idle]
     assert len({id(conn) for conn in idle}) == len(idle)  # each connection once
 
 
@@ -576,7 +576,7 @@ def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
     if pid == 0:  # child: must not share the parent's sockets
         code = 1
         try:
-            if backend.io.pool._idle:
+            if backend.io.pool.idle:
                 os._exit(3)
             busy = backend.acquire("n", "b" * 32, INFO, 30)
             waiter = backend.subscribe("n")

@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io.aio import AsyncDriver, AsyncPool
 from latchkey.stores.io.redis import CHECK_AFTER, pack, pack_script, settings
-from latchkey.stores.redis import Command, Script, Subscribe
+from latchkey.stores.redis import Command, Subscribe
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -111,12 +111,12 @@ class AsyncRedisDriver(AsyncDriver):
         if kind is Subscribe:
             return await self.subscribe(request.channel)
         async with _deadline(self.timeout):
-            if kind is Script:
+            if kind is tuple:  # a Script
                 packed = pack_script(request)
                 try:
                     return await self.call(packed)
                 except redis.exceptions.NoScriptError:
-                    await self.call(pack(("SCRIPT", "LOAD", request.lua.text)))
+                    await self.call(pack(("SCRIPT", "LOAD", request[0].text)))
                     return await self.call(packed)
             if kind is Command:
                 return await self.call(pack(request.words))
