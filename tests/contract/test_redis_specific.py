@@ -25,8 +25,7 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import AsyncWaiter, open_async_backend, open_backend
-from latchkey.stores.redis import RedisBackend
-from latchkey.stores.redis_async import AsyncRedisBackend
+from latchkey.stores.redis import AsyncRedisBackend, RedisBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
@@ -84,9 +83,9 @@ def _commands(client: redis.Redis) -> dict[str, int]:
 
 def test_keys_of_one_name_share_a_cluster_slot(backend: RedisBackend) -> None:
     for name in ["plain", "{tag}", "a}b{c", "nul\x00inside", "é" * 127]:
-        keys = [backend._base(name), *backend._keys(name), backend._record_key(name)]
+        keys = [backend.store.base(name), *backend.store.keys(name), backend.store.record_key(name)]
         assert len({key_slot(k.encode()) for k in keys}) == 1, keys
-        assert all(k.startswith(backend.prefix) for k in keys)
+        assert all(k.startswith(backend.store.prefix) for k in keys)
 
 
 @pytest.mark.parametrize("hostile", [*HOSTILE_NAMES, "{", "}", "}{", "\x00", "\x00" * 255])
@@ -96,7 +95,7 @@ def test_hostile_names_round_trip(backend: RedisBackend, hostile: str) -> None:
     info = backend.inspect(hostile)
     assert info is not None and info.name == hostile and info.token == grant.token
     assert [i.name for i in backend.list(prefix=hostile)] == [hostile]
-    for key in backend.client.scan_iter(match=f"{backend.prefix}*"):
+    for key in backend.io.client.scan_iter(match=f"{backend.store.prefix}*"):
         assert key.isascii() and key.count("{") == 1 and key.count("}") == 1
     assert backend.release(hostile, "a" * 32) is True
     assert backend.inspect(hostile) is None
@@ -127,7 +126,7 @@ def test_bad_db_path_is_a_config_error() -> None:
 def test_rediss_url_configures_tls_without_connecting() -> None:
     backend = open_backend("rediss://:pw-Zq8@127.0.0.1:1/2?ssl_cert_reqs=none&timeout=1")
     assert isinstance(backend, RedisBackend)
-    pool = backend.client.connection_pool
+    pool = backend.io.client.connection_pool
     assert pool.connection_class is redis.SSLConnection
     assert pool.connection_kwargs["ssl_cert_reqs"] == "none"
     assert pool.connection_kwargs["db"] == 2
@@ -154,10 +153,10 @@ def test_prefix_separates_stores(redis_url: str) -> None:
 
 
 def test_scripts_never_touch_another_owners_lease(backend: RedisBackend) -> None:
-    lease_key = backend._keys("n")[0]
+    lease_key = backend.store.keys("n")[0]
     grant = backend.acquire("n", "a" * 32, INFO, 30)
     assert isinstance(grant, Grant)
-    value = backend.client.get(lease_key)
+    value = backend.io.client.get(lease_key)
     assert value is not None and value.startswith("a" * 32 + ":")
     assert backend.release("n", "b" * 32) is False
     assert backend.extend("n", "b" * 32, 600) is None
@@ -166,8 +165,8 @@ def test_scripts_never_touch_another_owners_lease(backend: RedisBackend) -> None
     assert isinstance(busy, Busy) and busy.holders == 1
     assert busy.holder is not None and busy.holder.token == grant.token
     assert busy.retry_after is not None and 29 < busy.retry_after <= 30
-    assert backend.client.get(lease_key) == value  # untouched
-    assert 29_000 < backend.client.pttl(lease_key) <= 30_000
+    assert backend.io.client.get(lease_key) == value  # untouched
+    assert 29_000 < backend.io.client.pttl(lease_key) <= 30_000
     assert backend.release("n", "a" * 32) is True
 
 
@@ -190,12 +189,12 @@ def test_semaphore_slots_are_per_owner(backend: RedisBackend) -> None:
 def test_leases_expire_by_the_servers_clock_and_the_fence_stays(
     backend: RedisBackend, limit: int
 ) -> None:
-    lease, leases, owners, fence = backend._keys("n")
+    lease, leases, owners, fence = backend.store.keys("n")
     backend.acquire("n", "a" * 32, INFO, 0.3, limit=limit)
     keys = [lease] if limit == 1 else [leases, owners]
-    assert all(0 < backend.client.pttl(k) <= 300 for k in keys)
-    assert backend.client.pttl(fence) == -1  # never expires
-    eventually(lambda: backend.client.exists(lease, leases, owners) == 0, what="keys expired")
+    assert all(0 < backend.io.client.pttl(k) <= 300 for k in keys)
+    assert backend.io.client.pttl(fence) == -1  # never expires
+    eventually(lambda: backend.io.client.exists(lease, leases, owners) == 0, what="keys expired")
     assert backend.purge_expired() == 0  # nothing left behind to purge
     grant = backend.acquire("n", "b" * 32, INFO, 30, limit=limit)
     assert isinstance(grant, Grant) and grant.token == 2
@@ -220,16 +219,16 @@ def test_purge_counts_expired_semaphore_entries(backend: RedisBackend) -> None:
     backend.acquire("sem", "b" * 32, INFO, 60, limit=2)
     eventually(lambda: len(backend.inspect("sem").holders) == 1, what="one expired")  # type: ignore[union-attr]
     assert backend.purge_expired() == 1
-    assert backend.client.zcard(backend._keys("sem")[1]) == 1
+    assert backend.io.client.zcard(backend.store.keys("sem")[1]) == 1
 
 
 def test_acquire_and_release_are_one_evalsha_each(backend: RedisBackend) -> None:
     backend.acquire("warm", "w" * 32, INFO, 30)  # loads the script after NOSCRIPT if needed
     backend.release("warm", "w" * 32)
-    before = _commands(backend.client)
+    before = _commands(backend.io.client)
     backend.acquire("n", "a" * 32, INFO, 30)
     backend.release("n", "a" * 32)
-    after = _commands(backend.client)
+    after = _commands(backend.io.client)
     spent = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     # commandstats also counts the commands the scripts ran; of the client's own commands
     # only the two EVALSHA (and our INFO) may appear: no EVAL, SCRIPT LOAD, PING or TIME.
@@ -246,9 +245,9 @@ def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
     backend.release("warm", "w" * 32)
 
     def spent(call: Callable[[], object]) -> dict[str, int]:
-        before = _commands(backend.client)
+        before = _commands(backend.io.client)
         call()
-        after = _commands(backend.client)
+        after = _commands(backend.io.client)
         out = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
         out.pop("info", None)
         return out
@@ -260,9 +259,7 @@ def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
 
 
 @pytest.mark.parametrize("first_limit", [2, 3])
-def test_a_live_semaphore_holder_keeps_a_mutex_out(
-    backend: RedisBackend, first_limit: int
-) -> None:
+def test_a_live_semaphore_holder_keeps_a_mutex_out(backend: RedisBackend, first_limit: int) -> None:
     """The mutex fast path must see the other shape: no over-grant when a semaphore holds."""
     sem = backend.acquire("n", "a" * 32, INFO, 30, limit=first_limit)
     assert isinstance(sem, Grant)
@@ -279,9 +276,9 @@ def test_a_live_semaphore_holder_keeps_a_mutex_out(
 def test_expired_semaphore_members_do_not_keep_a_mutex_out(backend: RedisBackend) -> None:
     """A zset that still exists but holds only expired members (it outlives its last score by
     up to 1 ms; here made by hand) sends acquire to the exact count, which finds it free."""
-    _, leases, owners, _ = backend._keys("n")
-    backend.client.zadd(leases, {"x" * 32: 1000})  # expired in 1970
-    backend.client.hset(owners, "x" * 32, "7:0:{}")
+    _, leases, owners, _ = backend.store.keys("n")
+    backend.io.client.zadd(leases, {"x" * 32: 1000})  # expired in 1970
+    backend.io.client.hset(owners, "x" * 32, "7:0:{}")
     assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
     assert isinstance(backend.acquire("n", "b" * 32, INFO, 30, limit=2), Grant)  # 1 live of 2
     info = backend.inspect("n")
@@ -301,16 +298,16 @@ def test_an_owner_token_that_is_a_prefix_of_the_holders_is_not_the_holder(
         assert isinstance(backend.acquire("n", other, INFO, 30), Busy)
     extended = backend.extend("n", owner, 600)
     assert extended is not None and extended.token == grant.token
-    assert backend.client.pttl(backend._keys("n")[0]) > 500_000
+    assert backend.io.client.pttl(backend.store.keys("n")[0]) > 500_000
     assert backend.release("n", owner) is True
 
 
 def test_a_flushed_script_cache_is_reloaded(backend: RedisBackend) -> None:
     backend.acquire("warm", "w" * 32, INFO, 30)
-    backend.client.script_flush()
+    backend.io.client.script_flush()
     grant = backend.acquire("n", "a" * 32, INFO, 30)
     assert isinstance(grant, Grant)
-    backend.client.script_flush()
+    backend.io.client.script_flush()
     assert backend.release("n", "a" * 32) is True
 
 
@@ -329,9 +326,9 @@ def test_records_are_compare_and_set(backend: RedisBackend) -> None:
 
 def test_waiters_share_one_pubsub_connection(backend: RedisBackend) -> None:
     waiters = [backend.subscribe(f"w{i}") for i in range(5)] + [backend.subscribe("w0")]
-    channels = backend.client.pubsub_channels(f"{backend.prefix}*")
-    assert sorted(channels) == sorted({backend._keys(f"w{i}")[0] for i in range(5)})
-    clients = backend.client.client_list()
+    channels = backend.io.client.pubsub_channels(f"{backend.store.prefix}*")
+    assert sorted(channels) == sorted({backend.store.keys(f"w{i}")[0] for i in range(5)})
+    clients = backend.io.client.client_list()
     assert sum(int(c["sub"]) > 0 for c in clients) == 1
     backend.acquire("w0", "a" * 32, INFO, 30)
     backend.release("w0", "a" * 32)
@@ -339,7 +336,9 @@ def test_waiters_share_one_pubsub_connection(backend: RedisBackend) -> None:
     assert not waiters[1].wait(0.05)
     for w in waiters:
         w.close()
-    eventually(lambda: not backend.client.pubsub_channels(f"{backend.prefix}*"), what="unsub")
+    eventually(
+        lambda: not backend.io.client.pubsub_channels(f"{backend.store.prefix}*"), what="unsub"
+    )
 
 
 def test_waiting_threads_take_turns_reading_the_shared_connection(backend: RedisBackend) -> None:
@@ -356,9 +355,9 @@ def test_waiting_threads_take_turns_reading_the_shared_connection(backend: Redis
     threads = [threading.Thread(target=wait, args=(n,)) for n in names]
     for t in threads:
         t.start()
-    channels = [backend._keys(n)[0] for n in names]
+    channels = [backend.store.keys(n)[0] for n in names]
     eventually(
-        lambda: all(c[1] == 1 for c in backend.client.pubsub_numsub(*channels)),
+        lambda: all(c[1] == 1 for c in backend.io.client.pubsub_numsub(*channels)),
         what="all subscribed",
     )
     for n in names:  # whichever thread reads, each release must reach its own waiter
@@ -411,8 +410,8 @@ def test_server_stopped_mid_run(own_server: RunningServer) -> None:
 
         waiter = threading.Thread(target=wait_for_it)
         waiter.start()
-        channel = other.backend._keys("job")[0]  # type: ignore[attr-defined]
-        client = other.backend.client  # type: ignore[attr-defined]
+        channel = other.backend.store.keys("job")[0]  # type: ignore[attr-defined]
+        client = other.backend.io.client  # type: ignore[attr-defined]
         eventually(lambda: client.pubsub_numsub(channel)[0][1] == 1, what="waiter subscribed")
         own_server.stop()
         started = time.monotonic()
@@ -498,8 +497,8 @@ def test_an_idle_connection_the_server_closed_is_replaced(backend: RedisBackend)
     """Like redis-py's pool: a pooled connection the server closed while it sat idle is
     reconnected before use, not reported as an outage."""
     assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
-    assert backend._connections.idle
-    kwargs = backend.client.connection_pool.connection_kwargs
+    assert backend.io.pool.idle
+    kwargs = backend.io.client.connection_pool.connection_kwargs
     with redis.Redis(host=kwargs["host"], port=kwargs["port"]) as admin:
         killed = admin.client_kill_filter(_type="normal", skipme=True)
     assert killed >= 1
@@ -521,12 +520,13 @@ def test_the_first_call_after_a_restart_succeeds(own_server: RunningServer) -> N
 
 def test_an_error_reply_keeps_the_connection(backend: RedisBackend) -> None:
     backend.acquire("warm", "w" * 32, INFO, 30)
-    connections = len(backend.client.client_list())
-    backend.client.hset(backend._keys("bad")[0], "x", "1")  # not ours: a hash where a lease goes
+    connections = len(backend.io.client.client_list())
+    # not ours: a hash where a lease goes
+    backend.io.client.hset(backend.store.keys("bad")[0], "x", "1")
     with pytest.raises(StoreUnavailable, match="WRONGTYPE"):
         backend.acquire("bad", "a" * 32, INFO, 30)
     assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
-    assert len(backend.client.client_list()) == connections
+    assert len(backend.io.client.client_list()) == connections
 
 
 def test_threads_share_the_connections(backend: RedisBackend) -> None:
@@ -549,8 +549,8 @@ def test_threads_share_the_connections(backend: RedisBackend) -> None:
     for t in threads:
         t.join(timeout=30)
     assert not errors, errors[0]
-    assert 1 <= len(backend._connections.idle) <= 8
-    idle = [conn for conn, _ in backend._connections.idle]
+    assert 1 <= len(backend.io.pool.idle) <= 8
+    idle = [conn for conn, _ in backend.io.pool.idle]
     assert len({id(conn) for conn in idle}) == len(idle)  # each connection once
 
 
@@ -561,7 +561,7 @@ def test_db_number_comes_from_the_path(own_server: RunningServer) -> None:
         backend.acquire("n", "a" * 32, INFO, 30)
         port = own_server.port
         with redis.Redis(port=port, db=3) as db3, redis.Redis(port=port) as db0:
-            assert db3.exists(backend._keys("n")[0]) == 1
+            assert db3.exists(backend.store.keys("n")[0]) == 1
             assert db0.dbsize() == 0
     finally:
         backend.close()
@@ -576,7 +576,7 @@ def test_fork_child_uses_its_own_connections(backend: RedisBackend) -> None:
     if pid == 0:  # child: must not share the parent's sockets
         code = 1
         try:
-            if backend._connections.idle:
+            if backend.io.pool.idle:
                 os._exit(3)
             busy = backend.acquire("n", "b" * 32, INFO, 30)
             waiter = backend.subscribe("n")
@@ -605,7 +605,7 @@ async def _until(probe: Callable[[], Awaitable[object]], what: str, timeout: flo
 
 def _subscribers(backend: AsyncRedisBackend, name: str) -> Callable[[], Awaitable[int]]:
     async def count() -> int:
-        reply = await backend.client.pubsub_numsub(backend._keys(name)[0])
+        reply = await backend.io.client.pubsub_numsub(backend.store.keys(name)[0])
         return int(reply[0][1])
 
     return count
@@ -737,14 +737,15 @@ def test_async_waiter_is_woken_by_the_release_notice(redis_url: str) -> None:
         assert isinstance(backend, AsyncRedisBackend)
         attempts, waits = [0], list[bool]()
         long_wait = asyncio.Event()  # a wait long enough for a notice to arrive in it
-        acquire, subscribe = backend.acquire, backend.subscribe
+        acquire, wait_in_line = backend.acquire, backend.wait_in_line
 
         async def counting_acquire(*args: Any) -> Any:
             attempts[0] += 1
             return await acquire(*args)
 
-        async def counting_subscribe(name: str) -> AsyncWaiter:
-            waiter = await subscribe(name)
+        async def counting_wait_in_line(*args: Any) -> AsyncWaiter:
+            waiter = await wait_in_line(*args)
+            assert waiter is not None
             wait = waiter.wait
 
             async def counted(timeout: float) -> bool:
@@ -761,7 +762,7 @@ def test_async_waiter_is_woken_by_the_release_notice(redis_url: str) -> None:
             holder = store.lock("n", ttl="60s", wait=0)
             assert await holder.acquire()
             backend.acquire = counting_acquire  # type: ignore[method-assign]
-            backend.subscribe = counting_subscribe  # type: ignore[method-assign]
+            backend.wait_in_line = counting_wait_in_line  # type: ignore[method-assign]
             waiter = store.lock("n", ttl="60s", wait="30s")
             task = asyncio.create_task(waiter.acquire())
             await asyncio.wait_for(long_wait.wait(), 20)
@@ -783,10 +784,10 @@ def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) ->
         try:
             names = [f"w{i}" for i in range(10)]
             waiters = await asyncio.gather(*(backend.subscribe(names[i % 10]) for i in range(1000)))
-            clients = await backend.client.client_list()
+            clients = await backend.io.client.client_list()
             assert sum(int(c["sub"]) > 0 for c in clients) == 1
-            channels = await backend.client.pubsub_channels(f"{backend.prefix}*")
-            assert sorted(channels) == sorted(backend._keys(n)[0] for n in names)
+            channels = await backend.io.client.pubsub_channels(f"{backend.store.prefix}*")
+            assert sorted(channels) == sorted(backend.store.keys(n)[0] for n in names)
             assert isinstance(await backend.acquire("w0", "a" * 32, INFO, 30), Grant)
             assert await backend.release("w0", "a" * 32) is True
             woken = await asyncio.gather(*(w.wait(10) for w in waiters[0::10]))
@@ -794,7 +795,8 @@ def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) ->
             assert await waiters[1].wait(0.05) is False  # w1 was not released
             await asyncio.gather(*(w.close() for w in waiters))
             await _until(
-                lambda: _none(backend.client.pubsub_channels(f"{backend.prefix}*")), "unsubscribed"
+                lambda: _none(backend.io.client.pubsub_channels(f"{backend.store.prefix}*")),
+                "unsubscribed",
             )
         finally:
             await backend.aclose()
@@ -813,13 +815,13 @@ def test_async_aclose_closes_the_connections_and_the_listener(redis_url: str) ->
         try:
             assert isinstance(await backend.acquire("n", "a" * 32, INFO, 30), Grant)
             waiter = await backend.subscribe("n")
-            before = len(await admin.client.client_list())
+            before = len(await admin.io.client.client_list())
             await backend.aclose()
             assert await waiter.wait(0.01) is False
             await waiter.close()
 
             async def gone() -> bool:
-                return len(await admin.client.client_list()) <= before - 2
+                return len(await admin.io.client.client_list()) <= before - 2
 
             await _until(gone, "the backend's connections closed")
             assert not [t for t in asyncio.all_tasks() if t.get_name() == "latchkey-redis-listener"]

@@ -1,0 +1,308 @@
+"""The Redis store's Lua scripts (:mod:`latchkey.stores.redis`), one named constant each.
+
+Kept beside the store module, not in it, only for length: the store module is its key
+layout, requests, reply parsing and primitives; this one is what runs inside Redis. Each
+constant is a :class:`Lua` (its text and SHA1, computed here: EVALSHA needs no round trip to
+learn it) with a comment block: KEYS, ARGV, what it returns, the invariant it keeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+
+class Lua(NamedTuple):
+    """A script's text and its SHA1 (what EVALSHA names it by)."""
+
+    text: str
+    sha: str
+
+
+def _lua(text: str) -> Lua:
+    return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
+
+
+# Every script gets, per name, one KEYS entry: the name's base key "P{H}". It touches only the
+# keys "P{H}:lease", ":leases", ":owners", ":fence", which share that hash tag and so the
+# declared key's cluster slot (Redis Cluster accepts undeclared keys of the declared slot).
+# One key instead of four makes EVALSHA as cheap to send as a raw SET NX PX.
+#
+# Two shapes of lease share a name. A mutex holder (limit 1, the common case) is one string key
+# with PX, as cheap as a raw SET NX PX lock. Semaphore holders (limit > 1) are members of a
+# sorted set scored by expiry, with their details in a hash. Both count as holders of the name
+# for every acquire, so mixing limits on one name never over-grants. Invariants:
+# - the `lease` string exists  <=>  a live mutex holder ("owner:token:acquired ms:owner_info");
+# - the `leases` zset and `owners` hash have the same members, and both expire (PEXPIREAT) with
+#   their last member, so the zset exists  <=>  it has a live member;
+# - tokens come only from INCR on `fence`, which never expires and is never deleted.
+# Times are integer milliseconds of the server clock (TIME); a holder whose expiry <= now is gone.
+# A holder's record "token:acquired ms:owner_info" is what inspect sees: owner tokens stay inside.
+_LUA_PROLOGUE = """
+if redis.replicate_commands then redis.replicate_commands() end
+"""
+_LUA_HELPERS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function mutex_holder(base)
+  local v = redis.call('GET', base .. ':lease')
+  if not v then return nil, nil end
+  local sep = string.find(v, ':', 1, true)
+  return string.sub(v, 1, sep - 1), string.sub(v, sep + 1)
+end
+local function token_of(rec) return tonumber(string.match(rec, '^(%d+):')) end
+local function live_members(base, now)  -- not EXISTS: a key outlives its last score by 1 ms
+  return redis.call('ZCOUNT', base .. ':leases', '(' .. now, '+inf')
+end
+local function drop_expired(base, now)
+  local leases, owners = base .. ':leases', base .. ':owners'
+  local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+  for i = 1, #gone do redis.call('HDEL', owners, gone[i]) end
+  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', leases, '-inf', now) end
+  return #gone
+end
+local function keep_until_last(base)
+  local last = redis.call('ZRANGE', base .. ':leases', -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', base .. ':leases', last[2])
+    redis.call('PEXPIREAT', base .. ':owners', last[2])
+  end
+end
+local function holders(base, now)
+  local out = {}
+  local _, rec = mutex_holder(base)
+  if rec then
+    out[1] = rec
+    out[2] = now + redis.call('PTTL', base .. ':lease')
+  end
+  local live = redis.call('ZRANGEBYSCORE', base .. ':leases', '(' .. now, '+inf', 'WITHSCORES')
+  for i = 1, #live, 2 do
+    out[#out + 1] = redis.call('HGET', base .. ':owners', live[i]) or ''
+    out[#out + 1] = live[i + 1]
+  end
+  return out
+end
+local function busy(base, now)
+  local h = holders(base, now)
+  local best = 1
+  for i = 3, #h, 2 do
+    if tonumber(h[i + 1]) < tonumber(h[best + 1]) then best = i end
+  end
+  return {#h / 2, h[best], tonumber(h[best + 1]), now}
+end
+-- a grant is the string "token:expires ms", or "token:expires ms:ms left" for the owner's own
+-- live lease found again (as it is: not renewed); busy is a table (see ACQUIRE)
+local function take(base, owner, info, now, ttl, limit)
+  local holder, rec = mutex_holder(base)
+  if holder == owner then
+    local left = redis.call('PTTL', base .. ':lease')
+    return token_of(rec) .. ':' .. (now + left) .. ':' .. left
+  end
+  if limit == 1 then
+    if holder or live_members(base, now) > 0 then return busy(base, now) end
+    local token = redis.call('INCR', base .. ':fence')
+    redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
+               'PX', ttl)
+    return token .. ':' .. (now + ttl)
+  end
+  local leases, owners = base .. ':leases', base .. ':owners'
+  drop_expired(base, now)
+  local expires = now + ttl
+  local mine = redis.call('HGET', owners, owner)
+  if mine then  -- live: drop_expired just removed the expired ones
+    local ends = tonumber(redis.call('ZSCORE', leases, owner))
+    return token_of(mine) .. ':' .. ends .. ':' .. (ends - now)
+  end
+  local live = redis.call('ZCARD', leases) + (holder and 1 or 0)
+  if live >= limit then return busy(base, now) end
+  local token = redis.call('INCR', base .. ':fence')
+  redis.call('ZADD', leases, expires, owner)
+  redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
+  keep_until_last(base)
+  return token .. ':' .. expires
+end
+local function release(base, owner)
+  if mutex_holder(base) == owner then
+    redis.call('DEL', base .. ':lease')
+    redis.call('PUBLISH', base .. ':lease', '1')
+    return 1
+  end
+  local expires = redis.call('ZSCORE', base .. ':leases', owner)
+  if not expires then return 0 end
+  redis.call('ZREM', base .. ':leases', owner)
+  redis.call('HDEL', base .. ':owners', owner)
+  keep_until_last(base)
+  if tonumber(expires) <= now_ms() then return 0 end
+  redis.call('PUBLISH', base .. ':lease', '1')
+  return 1
+end
+"""
+
+_LUA = _LUA_PROLOGUE + _LUA_HELPERS
+
+# The mutex paths of acquire, release and extend come first in their scripts, before the
+# helpers: a script that returns early never builds the helpers' closures, and runs only the
+# commands a hand-written lock would, plus TIME and the fencing INCR.
+
+# Take a slot of one name. An owner that already holds a live lease gets it back as it is.
+# KEYS: the name's base key.  ARGV: owner, owner_info, ttl ms, limit (absent: 1).
+# Returns the string "token:expires ms" ("token:expires ms:ms left" for the owner's own live
+#         lease), or, when `limit` live holders exist, the table
+#         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms}.
+# Fast path: a mutex on a name with no key of either shape (one EXISTS for both) is free. Any
+# holder, or a zset its expired semaphore holders left (it outlives its last score by 1 ms),
+# sends the call on to `take`, which counts live holders exactly.
+ACQUIRE = _lua(
+    _LUA_PROLOGUE
+    + """
+local lease = KEYS[1] .. ':lease'
+if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local token = redis.call('INCR', KEYS[1] .. ':fence')
+  redis.call('SET', lease, ARGV[1] .. ':' .. token .. ':' .. now .. ':' .. ARGV[2], 'PX', ARGV[3])
+  return token .. ':' .. (now + ARGV[3])
+end
+"""
+    + _LUA_HELPERS
+    + """
+return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARGV[4] or '1'))
+"""
+)
+
+# Take every free name of a batch (limit 1 each) with one expiry for all.
+# KEYS: base keys of the names.  ARGV: owner, owner_info, ttl ms.
+# Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
+CLAIM = _lua(
+    _LUA
+    + """
+local now = now_ms()
+local ttl = tonumber(ARGV[3])
+local out = {now + ttl}
+for i = 1, #KEYS do
+  local r = take(KEYS[i], ARGV[1], ARGV[2], now, ttl, 1)
+  out[i + 1] = type(r) == 'string' and tonumber(string.match(r, '^(%d+):')) or 0
+end
+return out
+"""
+)
+
+# End the owner's lease on a name and announce it on the channel "P{H}:lease".
+# KEYS: the name's base key.  ARGV: owner.
+# Returns 1 if the owner's lease was live, else 0. Never touches another owner's lease.
+# Fast path: the owner's mutex lease (the lease string starts with "owner:").
+RELEASE = _lua(
+    _LUA_PROLOGUE
+    + """
+local lease = KEYS[1] .. ':lease'
+local v = redis.call('GET', lease)
+if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+  redis.call('DEL', lease)
+  redis.call('PUBLISH', lease, '1')
+  return 1
+end
+"""
+    + _LUA_HELPERS
+    + """
+return release(KEYS[1], ARGV[1])
+"""
+)
+
+# RELEASE for many names. KEYS: base keys of the names.  ARGV: owner.
+# Returns how many of the owner's leases were live.
+RELEASE_MANY = _lua(
+    _LUA
+    + """
+local count = 0
+for i = 1, #KEYS do count = count + release(KEYS[i], ARGV[1]) end
+return count
+"""
+)
+
+# Move the owner's live lease to end ttl from now; the token is unchanged.
+# KEYS: the name's base key.  ARGV: owner, ttl ms.
+# Returns "token:expires ms", or nil if the owner holds no live lease.
+EXTEND = _lua(
+    _LUA
+    + """
+local now = now_ms()
+local ttl = tonumber(ARGV[2])
+local lease = KEYS[1] .. ':lease'
+local v = redis.call('GET', lease)
+if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
+  redis.call('PEXPIRE', lease, ttl)
+  return string.match(v, '^(%d+):', #ARGV[1] + 2) .. ':' .. (now + ttl)
+end
+local expires = redis.call('ZSCORE', KEYS[1] .. ':leases', ARGV[1])
+local rec = redis.call('HGET', KEYS[1] .. ':owners', ARGV[1])
+if not expires or not rec or tonumber(expires) <= now then return nil end
+redis.call('ZADD', KEYS[1] .. ':leases', now + ttl, ARGV[1])
+keep_until_last(KEYS[1])
+return token_of(rec) .. ':' .. (now + ttl)
+"""
+)
+
+# Live holders of names, read-only. KEYS: base keys of the names.
+# Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}.
+INSPECT = _lua(
+    _LUA
+    + """
+local now = now_ms()
+local out = {now}
+for i = 1, #KEYS do out[i + 1] = holders(KEYS[i], now) end
+return out
+"""
+)
+
+# Drop every lease on one name, whoever holds it; the fence counter stays.
+# KEYS: the name's base key.  Returns 1 if a live lease was dropped, else 0.
+FORCE_RELEASE = _lua(
+    _LUA
+    + """
+local lease = KEYS[1] .. ':lease'
+local live = redis.call('EXISTS', lease) + live_members(KEYS[1], now_ms())
+redis.call('DEL', lease, KEYS[1] .. ':leases', KEYS[1] .. ':owners')
+if live > 0 then
+  redis.call('PUBLISH', lease, '1')
+  return 1
+end
+return 0
+"""
+)
+
+# Remove expired semaphore holders that live ones keep in the zset (mutex leases and zsets
+# whose holders all expired are already gone by PX / PEXPIREAT).
+# KEYS: base keys of the names.  Returns how many entries were removed.
+PURGE = _lua(
+    _LUA
+    + """
+local now = now_ms()
+local count = 0
+for i = 1, #KEYS do count = count + drop_expired(KEYS[i], now) end
+return count
+"""
+)
+
+# Write a record if its version is still the expected one (0: absent).
+# KEYS: record hash.  ARGV: value, expected version.  Returns the new version, or -1.
+RECORD_SET = _lua(
+    """
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if current ~= tonumber(ARGV[2]) then return -1 end
+redis.call('HSET', KEYS[1], 'value', ARGV[1], 'version', current + 1)
+return current + 1
+"""
+)
+
+# Delete a record if its version is still the expected one (never "deletes" an absent one).
+# KEYS: record hash.  ARGV: expected version.  Returns 1 if deleted, else 0.
+RECORD_DELETE = _lua(
+    """
+local current = redis.call('HGET', KEYS[1], 'version')
+if not current or tonumber(current) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+)
