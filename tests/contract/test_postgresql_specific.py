@@ -63,8 +63,10 @@ def _owner() -> str:
 def _session(backend: Any) -> Any:
     """The session the next statement runs on: the lease table's most recently used pooled
     connection (a Session), the advisory store's session."""
-    if isinstance(backend, (PostgreSQLBackend, AsyncPostgreSQLBackend)):
+    if isinstance(backend, PostgreSQLBackend):
         return backend.io.pool._idle[-1]
+    if isinstance(backend, AsyncPostgreSQLBackend):
+        return backend.io.pool._idle[-1][0]  # the asyncio pool keeps (connection, since)
     return backend.io.main
 
 

@@ -186,29 +186,58 @@ def test_semaphore_slots_are_per_owner(backend: RedisBackend) -> None:
 
 
 @pytest.mark.parametrize("limit", [1, 3])
-def test_leases_expire_by_the_servers_clock_and_the_fence_stays(
+def test_leases_expire_by_the_servers_clock_and_the_fence_outlives_them(
     backend: RedisBackend, limit: int
 ) -> None:
     lease, leases, owners, fence = backend.store.keys("n")
-    backend.acquire("n", "a" * 32, INFO, 0.3, limit=limit)
+    first = backend.acquire("n", "a" * 32, INFO, 0.3, limit=limit)
+    assert isinstance(first, Grant) and first.token is not None
     keys = [lease] if limit == 1 else [leases, owners]
     assert all(0 < backend.io.client.pttl(k) <= 300 for k in keys)
-    assert backend.io.client.pttl(fence) == -1  # never expires
+    # The counter outlives the lease by ten minutes, then goes: a name used once leaves no key
+    # behind for ever (a new counter starts from the server's clock, above every old token).
+    assert 600_000 < backend.io.client.pttl(fence) <= 600_300
     eventually(lambda: backend.io.client.exists(lease, leases, owners) == 0, what="keys expired")
     assert backend.purge_expired() == 0  # nothing left behind to purge
     grant = backend.acquire("n", "b" * 32, INFO, 30, limit=limit)
-    assert isinstance(grant, Grant) and grant.token == 2
+    assert isinstance(grant, Grant) and grant.token is not None and grant.token > first.token
+    assert backend.release("n", "b" * 32) is True
+    backend.io.client.delete(fence)  # as if it had expired, or a restart had lost it
+    again = backend.acquire("n", "c" * 32, INFO, 30, limit=limit)
+    assert isinstance(again, Grant) and again.token is not None and again.token > grant.token
+
+
+def test_tokens_keep_increasing_across_a_restart_without_persistence(
+    own_server: RunningServer,
+) -> None:
+    store = latchkey.connect(own_server.url)
+    try:
+        tokens = []
+        for _ in range(3):
+            with store.lock("fenced", ttl="1m") as lock:
+                tokens.append(lock.token)
+        own_server.stop()
+        own_server.start()  # no persistence: every lease and counter is gone
+        with store.lock("fenced", ttl="1m") as lock:
+            tokens.append(lock.token)
+        with store.semaphore("fenced-pool", 3, ttl="1m") as slot:
+            assert slot.token is not None and slot.token > tokens[0]
+    finally:
+        store.close()
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
 
 
 def test_mutex_and_semaphore_holders_of_one_name_count_together(backend: RedisBackend) -> None:
-    assert isinstance(backend.acquire("n", "a" * 32, INFO, 30, limit=1), Grant)
-    assert isinstance(backend.acquire("n", "b" * 32, INFO, 20, limit=2), Grant)
+    first = backend.acquire("n", "a" * 32, INFO, 30, limit=1)
+    second = backend.acquire("n", "b" * 32, INFO, 20, limit=2)
+    assert isinstance(first, Grant) and isinstance(second, Grant)
     busy = backend.acquire("n", "c" * 32, INFO, 30, limit=2)
     assert isinstance(busy, Busy) and busy.holders == 2
     assert busy.retry_after is not None and 19 < busy.retry_after <= 20  # the soonest to end
     assert isinstance(backend.acquire("n", "d" * 32, INFO, 30, limit=1), Busy)
     info = backend.inspect("n")
-    assert info is not None and [h.token for h in info.holders] == [1, 2]
+    assert info is not None and [h.token for h in info.holders] == [first.token, second.token]
+    assert first.token is not None and second.token is not None and second.token > first.token
     assert backend.release("n", "a" * 32) and backend.release("n", "b" * 32)
     assert backend.inspect("n") is None
     assert isinstance(backend.acquire("n", "d" * 32, INFO, 30, limit=1), Grant)
@@ -239,7 +268,8 @@ def test_acquire_and_release_are_one_evalsha_each(backend: RedisBackend) -> None
 def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
     backend: RedisBackend,
 ) -> None:
-    """The mutex fast paths: acquire is EXISTS (both shapes at once), TIME, INCR, SET;
+    """The mutex fast paths: acquire is EXISTS (both shapes at once), TIME, the fence's GET
+    and SET, the lease's SET;
     release is GET, DEL, PUBLISH. Nothing of the semaphore path runs."""
     backend.acquire("warm", "w" * 32, INFO, 30)
     backend.release("warm", "w" * 32)
@@ -253,7 +283,7 @@ def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
         return out
 
     acquire = spent(lambda: backend.acquire("n", "a" * 32, INFO, 30))
-    assert acquire == {"evalsha": 1, "exists": 1, "time": 1, "incr": 1, "set": 1}
+    assert acquire == {"evalsha": 1, "exists": 1, "time": 1, "get": 1, "set": 2}
     release = spent(lambda: backend.release("n", "a" * 32))
     assert release == {"evalsha": 1, "get": 1, "del": 1, "publish": 1}
 
@@ -270,7 +300,7 @@ def test_a_live_semaphore_holder_keeps_a_mutex_out(backend: RedisBackend, first_
     assert backend.extend("n", "b" * 32, 60) is None
     assert backend.release("n", "a" * 32) is True
     grant = backend.acquire("n", "b" * 32, INFO, 30)
-    assert isinstance(grant, Grant) and grant.token == sem.token + 1  # type: ignore[operator]
+    assert isinstance(grant, Grant) and grant.token > sem.token  # type: ignore[operator]
 
 
 def test_expired_semaphore_members_do_not_keep_a_mutex_out(backend: RedisBackend) -> None:
@@ -453,9 +483,10 @@ def test_wrong_password_is_unavailable_and_not_shown(tmp_path: Path) -> None:
             latchkey.connect(f"redis://{host}/0").lock("n", wait=0).acquire()
         good = latchkey.connect(f"redis://:right-pw-7F3k@{host}/0")
         with good.lock("n", ttl="10s", wait=0) as lock:
-            assert lock.token == 1
+            first = lock.token
+            assert first is not None
         with good.lock("n", ttl="10s", wait="5s") as lock:  # waits through pub/sub with AUTH
-            assert lock.token == 2
+            assert lock.token is not None and lock.token > first
         good.close()
     finally:
         server.stop()
@@ -509,11 +540,13 @@ def test_an_idle_connection_the_server_closed_is_replaced(backend: RedisBackend)
 def test_the_first_call_after_a_restart_succeeds(own_server: RunningServer) -> None:
     backend = open_backend(own_server.url)
     try:
-        assert isinstance(backend.acquire("n", "a" * 32, INFO, 30), Grant)
+        before = backend.acquire("n", "a" * 32, INFO, 30)
+        assert isinstance(before, Grant) and before.token is not None
         own_server.stop()
         own_server.start()
         grant = backend.acquire("n", "b" * 32, INFO, 30)  # on the pooled, now dead, connection
-        assert isinstance(grant, Grant) and grant.token == 1  # no persistence: a new counter
+        # No persistence: a new counter, started from the server's clock, above the old one.
+        assert isinstance(grant, Grant) and grant.token is not None and grant.token > before.token
     finally:
         backend.close()
 
@@ -670,7 +703,7 @@ def test_async_cancelled_command_is_not_reused_half_read(own_server: RunningServ
                 os.kill(own_server.pid, signal.SIGCONT)
             assert await backend.release("a", "a" * 32) is True
             grant = await backend.acquire("c", "c" * 32, INFO, 60)
-            assert isinstance(grant, Grant) and grant.token == 1
+            assert isinstance(grant, Grant)
             assert await backend.inspect("a") is None
         finally:
             await backend.aclose()
@@ -684,7 +717,8 @@ def test_async_hung_or_stopped_server_is_unavailable_within_the_timeout(
     async def main() -> None:
         backend = _async_backend(f"{own_server.url}?timeout=0.5")
         try:
-            assert isinstance(await backend.acquire("n", "a" * 32, INFO, 30), Grant)
+            first = await backend.acquire("n", "a" * 32, INFO, 30)
+            assert isinstance(first, Grant) and first.token is not None
             await (await backend.subscribe("warm")).close()  # the listener exists now
             os.kill(own_server.pid, signal.SIGSTOP)  # accepts connections, never answers
             try:
@@ -712,7 +746,9 @@ def test_async_hung_or_stopped_server_is_unavailable_within_the_timeout(
             assert time.monotonic() - started < 1.5
             own_server.start()  # no persistence: a new counter; the next calls reconnect
             grant = await backend.acquire("n", "b" * 32, INFO, 30)
-            assert isinstance(grant, Grant) and grant.token == 1
+            # The new counter starts from the server's clock: above the lost one's tokens.
+            assert isinstance(grant, Grant) and grant.token is not None
+            assert grant.token > first.token
             waiter = await backend.subscribe("n")
             assert await backend.release("n", "b" * 32) is True
             assert await waiter.wait(5) is True

@@ -105,6 +105,9 @@ def _extend(lock: Any) -> tuple[Any, ...]:
 
 
 _LEASES = itertools.count(1)
+#: Hold each mutex for many steps (the renewer-ignores-deadline variant: a holder SIGSTOPped
+#: mid-hold must have steps left when it wakes, for the bug to show).
+LONG_HOLDS = False
 
 
 def _mutex_cycle(
@@ -123,7 +126,7 @@ def _mutex_cycle(
     result = rep.call("acquire", name, acquire, ttl=ttl, wait=wait, lid=lid)
     if not (isinstance(result, tuple) and result[0] == "granted"):
         return
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, 3) if not LONG_HOLDS else rng.randint(6, 10)):
         rep.ask("step", rep.worker, name, lock.token, lid)
         try:
             lock.check()
@@ -194,6 +197,8 @@ def _break(store: Any, variant: str | None) -> None:
 
         backend.io.answer = client_clock
     elif variant == "renewer-ignores-deadline":
+        global LONG_HOLDS
+        LONG_HOLDS = True
         from latchkey._core.lease import LeaseCore
 
         # The deadline is never consulted, and a renewal that finds the lease gone is shrugged

@@ -7,14 +7,16 @@ Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` `
                              also the pub/sub channel on which every release is announced
     P{H}:leases  sorted set  semaphore holders: owner token -> expiry (ms, server clock)
     P{H}:owners  hash        semaphore holders: owner token -> "token:acquired ms:owner_info"
-    P{H}:fence   string      INCR counter of fencing tokens; never expires, never deleted
+    P{H}:fence   string      the last fencing token: the next is max(fence + 1, now ms);
+                             expires 10 minutes after the lease it was drawn for
     P{H}:record  hash        {value, version} of the versioned record ``name``
 
 ``{H}`` is a Redis Cluster hash tag: every key of one name lives in one slot, and hex keeps
 any name (``{``, ``}``, NUL, any character) safe and prefix-preserving, so ``list(prefix)`` is
 ``SCAN MATCH P{hex(prefix)*}:lease*``. Lease keys expire by themselves (PX / PEXPIREAT), so a
-crashed holder leaves nothing behind; the fence counter stays, so tokens keep increasing while
-the server keeps its data.
+crashed holder leaves nothing behind; a fence counter lost in a restart, or expired after its
+name was last used, starts again from the server's clock, so tokens keep increasing across
+restarts (as long as the server's clock does not go back).
 
 Time is the server's: scripts read ``TIME`` (allowed in Redis >= 5 with effects replication,
 the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release script; one

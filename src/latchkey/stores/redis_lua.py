@@ -35,13 +35,24 @@ def _lua(text: str) -> Lua:
 # - the `lease` string exists  <=>  a live mutex holder ("owner:token:acquired ms:owner_info");
 # - the `leases` zset and `owners` hash have the same members, and both expire (PEXPIREAT) with
 #   their last member, so the zset exists  <=>  it has a live member;
-# - tokens come only from INCR on `fence`, which never expires and is never deleted.
+# - tokens come only from `fence`: the next token is max(fence + 1, now ms), written back with
+#   an expiry of the lease's TTL + FENCE_KEEP. A counter lost in a restart of a server that
+#   keeps nothing on disk, or expired after its name was last used, starts again from the
+#   server's clock, above every token it gave (the clock does not go back, and tokens run ahead
+#   of it only by the grants beyond one a millisecond): tokens keep increasing across restarts,
+#   and a name used once does not leave a key behind for ever.
 # Times are integer milliseconds of the server clock (TIME); a holder whose expiry <= now is gone.
 # A holder's record "token:acquired ms:owner_info" is what inspect sees: owner tokens stay inside.
 _LUA_PROLOGUE = """
 if redis.replicate_commands then redis.replicate_commands() end
 """
 _LUA_HELPERS = """
+local function next_token(base, now, ttl)
+  local fence = base .. ':fence'
+  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1, now)
+  redis.call('SET', fence, token, 'PX', ttl + 600000)
+  return token
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -102,7 +113,7 @@ local function take(base, owner, info, now, ttl, limit)
   end
   if limit == 1 then
     if holder or live_members(base, now) > 0 then return busy(base, now) end
-    local token = redis.call('INCR', base .. ':fence')
+    local token = next_token(base, now, ttl)
     redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
                'PX', ttl)
     return token .. ':' .. (now + ttl)
@@ -117,7 +128,7 @@ local function take(base, owner, info, now, ttl, limit)
   end
   local live = redis.call('ZCARD', leases) + (holder and 1 or 0)
   if live >= limit then return busy(base, now) end
-  local token = redis.call('INCR', base .. ':fence')
+  local token = next_token(base, now, ttl)
   redis.call('ZADD', leases, expires, owner)
   redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
   keep_until_last(base)
@@ -144,7 +155,7 @@ _LUA = _LUA_PROLOGUE + _LUA_HELPERS
 
 # The mutex paths of acquire, release and extend come first in their scripts, before the
 # helpers: a script that returns early never builds the helpers' closures, and runs only the
-# commands a hand-written lock would, plus TIME and the fencing INCR.
+# commands a hand-written lock would, plus TIME and the fence's GET and SET.
 
 # Take a slot of one name. An owner that already holds a live lease gets it back as it is.
 # KEYS: the name's base key.  ARGV: owner, owner_info, ttl ms, limit (absent: 1).
@@ -161,7 +172,9 @@ local lease = KEYS[1] .. ':lease'
 if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local token = redis.call('INCR', KEYS[1] .. ':fence')
+  local fence = KEYS[1] .. ':fence'  -- next_token(), inline (see the invariants above)
+  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1, now)
+  redis.call('SET', fence, token, 'PX', ARGV[3] + 600000)
   redis.call('SET', lease, ARGV[1] .. ':' .. token .. ':' .. now .. ':' .. ARGV[2], 'PX', ARGV[3])
   return token .. ':' .. (now + ARGV[3])
 end
