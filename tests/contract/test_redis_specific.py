@@ -865,3 +865,13 @@ def test_async_aclose_closes_the_connections_and_the_listener(redis_url: str) ->
             await admin.aclose()
 
     asyncio.run(main())
+
+
+def test_a_health_check_leaves_no_key_for_ever(redis_url: str, backend: RedisBackend) -> None:
+    """``latchkey check`` probes with a name of its own each time: every key it leaves has an
+    expiry (the fence counter's: ten minutes past the probe's lease)."""
+    with latchkey.connect(redis_url) as store:
+        store.check()
+    keys = backend.io.client.keys(backend.store.prefix + "*")
+    assert keys, "the probe left its fence counter (for ten minutes)"
+    assert all(backend.io.client.pttl(key) > 0 for key in keys), keys
