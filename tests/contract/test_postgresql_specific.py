@@ -60,6 +60,15 @@ def _owner() -> str:
     return uuid.uuid4().hex
 
 
+def _key_free(sql: psycopg.Connection[tuple[object, ...]], key: int) -> bool:
+    """True if no session holds the advisory lock ``key`` (tried, and given back at once)."""
+    row = sql.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+    if row is not None and row[0]:
+        sql.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        return True
+    return False
+
+
 def _session(backend: Any) -> Any:
     """The session the next statement runs on: the lease table's most recently used pooled
     connection (a Session), the advisory store's session."""
@@ -497,7 +506,10 @@ def test_a_waiter_whose_process_is_gone_is_passed_over(
     assert isinstance(a.acquire("n", first, INFO, 30), Grant)
     b.wait_in_line("n", gone, INFO, 30, 1)
     wc = c.wait_in_line("n", alive, '{"host":"c","pid":3}', 30, 1)
+    key = b.io.listener.listener_key
     b.close()  # its listener connection ends, and with it the listener key: "process died"
+    # The server frees the key when the listener's session has ended, just after the close.
+    eventually(lambda: _key_free(sql, key), what="the gone process's listener key freed")
     assert _queued(sql, table) == 2  # b's row is still there…
     assert a.release("n", first)
     assert wc.wait(5) and wc.take_grant() is not None  # …but the lease went to c

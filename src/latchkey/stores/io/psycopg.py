@@ -534,6 +534,7 @@ class Listener:
         thread = threading.Thread(
             target=self._run, args=(conn, stop_r, stop_w), name="latchkey-pg-listen", daemon=True
         )
+        self._thread = thread
         thread.start()
 
     def _run(self, conn: psycopg.Connection[Any], stop_r: int, stop_w: int) -> None:
@@ -582,12 +583,16 @@ class Listener:
             waiter.event.set()
 
     def close(self) -> None:
-        """Stop the thread (it closes its connection)."""
+        """Stop the thread and wait (a second at most) until it has closed its connection, so
+        that the server ends the listener's session, and frees its key, soon after."""
         with self._lock:
             conn, self._conn = self._conn, None
             if conn is not None:
                 with contextlib.suppress(OSError):
                     os.write(self._stop_fd, b"x")
+        thread = getattr(self, "_thread", None)
+        if conn is not None and thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
 
     def forget_after_fork(self) -> None:
         """In a forked child: the thread is gone and the connection is the parent's."""
