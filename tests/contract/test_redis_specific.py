@@ -73,6 +73,11 @@ def own_server(tmp_path: Path) -> Iterator[RunningServer]:
     server.stop()
 
 
+def _server_ms(backend: RedisBackend) -> int:
+    seconds, micros = backend.io.client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def _commands(client: redis.Redis) -> dict[str, int]:
     stats = client.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
@@ -202,7 +207,10 @@ def test_leases_expire_by_the_servers_clock_and_the_fence_outlives_them(
     grant = backend.acquire("n", "b" * 32, INFO, 30, limit=limit)
     assert isinstance(grant, Grant) and grant.token is not None and grant.token > first.token
     assert backend.release("n", "b" * 32) is True
-    backend.io.client.delete(fence)  # as if it had expired, or a restart had lost it
+    # As if it had expired, or a restart had lost it — which takes longer than a millisecond:
+    # the server's clock (ms) has passed the last token when the counter starts again from it.
+    eventually(lambda: _server_ms(backend) > grant.token, what="the clock past the last token")
+    backend.io.client.delete(fence)
     again = backend.acquire("n", "c" * 32, INFO, 30, limit=limit)
     assert isinstance(again, Grant) and again.token is not None and again.token > grant.token
 
