@@ -159,6 +159,20 @@ def handoff_grant(text: str) -> tuple[int, Grant] | None:
     return ticket, Grant(token=token, expires_at=expires)
 
 
+def server_ended(pgconn: psycopg.pq.abc.PGconn) -> bool:
+    """Whether the server ended this idle connection (terminated the session, shut down,
+    restarted), found without a round trip: an idle connection has nothing to read unless it
+    did. Call only when its socket is readable, or to be sure."""
+    for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
+        if pgconn.status != psycopg.pq.ConnStatus.OK:
+            return True
+        if not input_waiting(pgconn.socket):
+            return False
+        with contextlib.suppress(*DRIVER_ERRORS):
+            pgconn.consume_input()
+    return bool(pgconn.status != psycopg.pq.ConnStatus.OK)
+
+
 def input_waiting(fd: int) -> bool:
     """Whether ``fd`` has something to read (or hung up), without blocking."""
     if hasattr(select, "poll"):
@@ -340,16 +354,10 @@ class Session:
             return False
         if self._poller is not None and not self._poller.poll(0):
             return True  # nothing to read: the usual case, one syscall
-        pgconn = conn.pgconn
-        for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
-            if pgconn.status != psycopg.pq.ConnStatus.OK:
-                self.broken()
-                return False
-            if not input_waiting(pgconn.socket):
-                return True
-            with contextlib.suppress(*DRIVER_ERRORS):
-                pgconn.consume_input()
-        return pgconn.status == psycopg.pq.ConnStatus.OK
+        if server_ended(conn.pgconn):
+            self.broken()
+            return False
+        return True
 
     def broken(self) -> bool:
         """After an error: drop the connection if it is no longer usable (call under lock)."""

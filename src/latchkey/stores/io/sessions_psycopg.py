@@ -27,15 +27,19 @@ from typing import Any
 import psycopg
 
 from latchkey.stores.io.aio import bounded
+from latchkey.stores.io.psycopg import (
+    COMMAND_OK,
+    TUPLES_OK,
+    deallocated,
+    result_error,
+    server_ended,
+)
 from latchkey.stores.io.sessions import Session, SessionDriver
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
 from latchkey.stores.pg_advisory import application_name
 from latchkey.stores.postgresql import connection_params
 from latchkey.stores.sessionlocks import YES, Statement
 
-TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
-COMMAND_OK = psycopg.pq.ExecStatus.COMMAND_OK
-SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 OK = psycopg.pq.ConnStatus.OK
 ACTIVE = psycopg.pq.TransactionStatus.ACTIVE
 ERRORS = (psycopg.Error, OSError)
@@ -55,34 +59,13 @@ class PgSession(Session):
             self.poller.register(conn.pgconn.socket, select.POLLIN)
 
 
-def result_error(result: psycopg.pq.abc.PGresult) -> psycopg.Error:
-    """The psycopg exception for a failed result, chosen by its SQLSTATE as psycopg does."""
-    state = (result.error_field(SQLSTATE) or b"").decode("ascii", "replace")
-    message = (result.error_message or b"").decode("utf-8", "replace").strip()
-    try:
-        cls: type[psycopg.Error] = psycopg.errors.lookup(state)
-    except KeyError:
-        cls = psycopg.OperationalError  # no SQLSTATE: libpq's own (the connection failed)
-    return cls(message or "the statement failed")
-
-
 def hung_up(session: PgSession) -> bool:
     conn = session.conn
     if conn.closed:
         return True
     if session.poller is not None and not session.poller.poll(0):
         return False  # nothing to read: the usual case, one syscall
-    pgconn = conn.pgconn
-    for _ in range(4):  # a goodbye message, then EOF, arrive as separate reads
-        if pgconn.status != OK:
-            return True
-        if not select.select([pgconn.socket], [], [], 0)[0]:
-            return False
-        try:
-            pgconn.consume_input()
-        except ERRORS:
-            return True
-    return bool(pgconn.status != OK)
+    return server_ended(conn.pgconn)
 
 
 def usable(session: PgSession) -> bool:
@@ -120,7 +103,7 @@ class PsycopgSessions(SessionDriver):
                 result = pgconn.exec_prepared(name, params)
                 if result.status == TUPLES_OK:
                     return _yes(result)
-                if not (again and result.error_field(SQLSTATE) == b"26000"):
+                if not (again and deallocated(result)):
                     break
                 session.prepared.discard(name)  # deallocated behind our back
             raise result_error(result)
@@ -185,7 +168,7 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
             result = await reply(pgconn, deadline, self)
             if result.status == TUPLES_OK:
                 return _yes(result)
-            if not (again and result.error_field(SQLSTATE) == b"26000"):
+            if not (again and deallocated(result)):
                 break
             session.prepared.discard(name)  # deallocated behind our back
         raise result_error(result)
