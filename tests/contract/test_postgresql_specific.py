@@ -30,14 +30,9 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.io.psycopg import Link
+from latchkey.stores.io.psycopg import Link, positional
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
-from latchkey.stores.postgresql import (
-    SCHEMA_VERSION,
-    AsyncPostgreSQLBackend,
-    PostgreSQLBackend,
-    positional,
-)
+from latchkey.stores.postgresql import SCHEMA_VERSION, AsyncPostgreSQLBackend, PostgreSQLBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, free_port

@@ -39,7 +39,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Holder
 from latchkey._url import Option, key_prefix
 from latchkey.stores.io import Steps
-from latchkey.stores.postgresql import CONNECTION_OPTIONS
+from latchkey.stores.io.psycopg import CONNECTION_OPTIONS
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.sessionlocks import (
     ROWS,

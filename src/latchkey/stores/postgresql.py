@@ -37,16 +37,14 @@ from latchkey._url import Option, identifier
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
-
-# `name as name`: re-exported, the postgresql+advisory store imports them from here.
-from latchkey.stores.io.psycopg import CONNECTION_OPTIONS as CONNECTION_OPTIONS
-from latchkey.stores.io.psycopg import DRIVER_ERRORS as DRIVER_ERRORS
-from latchkey.stores.io.psycopg import Listen, Prepared, int8, timestamptz
-from latchkey.stores.io.psycopg import Session as Session
-from latchkey.stores.io.psycopg import connection_params as connection_params
-from latchkey.stores.io.psycopg import forget_in_forked_child as forget_in_forked_child
-from latchkey.stores.io.psycopg import positional as positional
-from latchkey.stores.io.psycopg import utc as utc
+from latchkey.stores.io.psycopg import (
+    CONNECTION_OPTIONS,
+    Listen,
+    Prepared,
+    int8,
+    timestamptz,
+    utc,
+)
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.sql import LeaseTable, Query
 

@@ -23,8 +23,9 @@ closed. Every wait on the network is bounded by the server (``statement_timeout`
 :func:`connection_params`. A statement that finds the tables missing creates them (the
 store's ``create``) and runs again.
 
-:class:`Session` (one connection under a lock) is also what the ``postgresql+advisory://``
-store's session locks are held on.
+The ``postgresql+advisory://`` store's pinned sessions are in
+:mod:`latchkey.stores.io.sessions_psycopg` (they share this module's connection parameters
+and result helpers).
 """
 
 from __future__ import annotations
@@ -239,7 +240,6 @@ def connection_params(
 _FORKED_AWAY: list[object] = []
 _OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
 _AT_FORK: list[object] = []
-_LEGACY: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _before_fork() -> None:
@@ -250,18 +250,11 @@ def _before_fork() -> None:
 def _after_fork_in_child() -> None:
     _FORKED_AWAY.extend(_AT_FORK)
     _AT_FORK.clear()
-    for backend in list(_LEGACY):
-        backend._forget_after_fork()
 
 
 os.register_at_fork(
     before=_before_fork, after_in_parent=_AT_FORK.clear, after_in_child=_after_fork_in_child
 )
-
-
-def forget_in_forked_child(backend: Any) -> None:
-    """Call ``backend._forget_after_fork()`` in a child process right after a fork."""
-    _LEGACY.add(backend)
 
 
 def connect(params: Mapping[str, Any]) -> psycopg.Connection[Any]:

@@ -14,9 +14,6 @@
   through ``AsyncConnection.notifies()``; it wakes the waiters (:class:`AsyncHandoffWaiter`,
   each an :class:`asyncio.Event`) of a released name, or hands a lease to the queued waiter
   whose ticket a release names. A waiting coroutine holds no thread and no connection.
-
-:class:`AsyncSession` (one connection under an asyncio lock) is also what the
-``postgresql+advisory://`` store's asyncio backend holds its session locks on.
 """
 
 from __future__ import annotations

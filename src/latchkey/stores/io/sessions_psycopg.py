@@ -30,6 +30,7 @@ from latchkey.stores.io.aio import bounded
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     TUPLES_OK,
+    connection_params,
     deallocated,
     result_error,
     server_ended,
@@ -37,7 +38,6 @@ from latchkey.stores.io.psycopg import (
 from latchkey.stores.io.sessions import Session, SessionDriver
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
 from latchkey.stores.pg_advisory import application_name
-from latchkey.stores.postgresql import connection_params
 from latchkey.stores.sessionlocks import YES, Statement
 
 OK = psycopg.pq.ConnStatus.OK
