@@ -25,8 +25,7 @@ from __future__ import annotations
 import threading
 from typing import Any, ClassVar, TypeVar
 
-from latchkey.errors import StoreUnavailable
-from latchkey.stores.io import Driver, Steps, after_fork, drive
+from latchkey.stores.io import Driver, Steps, after_fork
 from latchkey.stores.sessionlocks import (
     WAIT,
     Alive,
@@ -123,12 +122,7 @@ class SessionDriver(Driver):
 
     def run(self, steps: Steps[T], action: str) -> T:
         with self.mutex:
-            try:
-                return drive(steps, self.answer)
-            except StoreUnavailable:
-                raise
-            except self.errors as exc:
-                self.backend.unavailable(exc, action)
+            return super().run(steps, action)
 
     def answer(self, request: Any) -> Any:
         kind = type(request)
