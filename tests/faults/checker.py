@@ -157,7 +157,7 @@ def check(
         limit = semaphores.get(name, 1)
         _overlaps(report, name, items, limit)
         if fencing and limit == 1:
-            _token_order(report, name, items, cut_times)
+            _token_order(report, name, items)
     _stale_actions(report, history, leases, semaphores, cut_leases)
     _non_holders(report, ops, leases, semaphores)
     for write in history.writes:
@@ -267,7 +267,7 @@ def _overlaps(report: Report, name: str, items: list[Lease], limit: int) -> None
             report.violations.append(f"overlap: {name}: {len(live)} > {limit} surely live: {held}")
 
 
-def _token_order(report: Report, name: str, items: list[Lease], cut_times: list[float]) -> None:
+def _token_order(report: Report, name: str, items: list[Lease]) -> None:
     """Across restarts too: a store that keeps nothing on disk starts its counters again from
     its clock (Redis, memcached), so the order holds whatever the faults."""
     for a in items:

@@ -99,6 +99,14 @@ def _increment(value: Any) -> int:
     return int(value or 0) + 1
 
 
+def _take(lock: Any) -> tuple[Any, ...]:
+    return describe(lock, lock.acquire())
+
+
+def _give_back(lock: Any) -> tuple[Any, ...]:
+    return ("ok", lock.release())
+
+
 def _extend(lock: Any) -> tuple[Any, ...]:
     lock.extend()
     return ("ok", lock.token)
@@ -122,7 +130,7 @@ def _mutex_cycle(
     renew = rng.random() < 0.5
     lock = store.lock(name, ttl=ttl, wait=wait, renew=renew)
     lid = f"{rep.worker}:{next(_LEASES)}"  # which Lock object: links its calls to its lease
-    acquire = functools.partial(lambda: describe(lock, lock.acquire()))
+    acquire = functools.partial(_take, lock)
     result = rep.call("acquire", name, acquire, ttl=ttl, wait=wait, lid=lid)
     if not (isinstance(result, tuple) and result[0] == "granted"):
         return
@@ -141,7 +149,7 @@ def _mutex_cycle(
     if rng.random() < 0.1:
         stale.append((lid, lock))  # abandoned: its lease must end before anyone else's grant
         return
-    release = functools.partial(lambda: ("ok", lock.release()))
+    release = functools.partial(_give_back, lock)
     rep.call("release", name, release, token=lock.token, lid=lid)
     if rng.random() < 0.3:
         stale.append((lid, lock))
@@ -153,11 +161,11 @@ def _semaphore_cycle(
     wait = rng.choice([0, 0.2])
     slot = store.semaphore(name, limit, ttl=ttl, wait=wait)
     lid = f"{rep.worker}:{next(_LEASES)}"
-    acquire = functools.partial(lambda: describe(slot, slot.acquire()))
+    acquire = functools.partial(_take, slot)
     result = rep.call("acquire", name, acquire, ttl=ttl, wait=wait, limit=limit, lid=lid)
     if isinstance(result, tuple) and result[0] == "granted":
         time.sleep(rng.choice([0, 0.02]))
-        release = functools.partial(lambda: ("ok", slot.release()))
+        release = functools.partial(_give_back, slot)
         rep.call("release", name, release, token=slot.token, lid=lid)
 
 
