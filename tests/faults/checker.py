@@ -1,7 +1,6 @@
 """The checker: reads a chaos run's history (history.py) and lists every violation of
 latchkey's guarantees. Times are the recorder's; see history.py for why the intervals it
-reads are conservative (an operation surely started after its recorded invocation... no:
-surely started no earlier than... see below).
+reads are conservative.
 
 Definitions, per operation ``op`` (recorder clock): ``op.inv`` is no later than the call
 really started, ``op.ret`` no earlier than it really ended. A lease granted by ``op`` started
@@ -88,7 +87,7 @@ class Lease:
     start: float  # grant.ret
     end: float  # surely live until then
     ops: list[Op]
-    epoch: int | None = 0  # see check(): leases of different epochs have unrelated tokens
+    epoch: int | None = 0  # see check(): how many lease-ending faults came before the grant
 
     @property
     def lid(self) -> str:
