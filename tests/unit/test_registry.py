@@ -31,6 +31,35 @@ def test_missing_driver_names_the_extra(tmp_path: Path, monkeypatch: pytest.Monk
     sys.modules.pop("lk_fake_store", None)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_missing_driver_of_a_store_written_once_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """The store's module imports no driver (its drivers are modules of their own, loaded when
+    a backend is made): the missing one is still named with the extra, not a traceback."""
+    (tmp_path / "lk_fake_io.py").write_text("import lk_driver_that_is_not_installed\n")
+    (tmp_path / "lk_fake_once.py").write_text(
+        "from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend\n"
+        "class Fake(Store):\n"
+        "    scheme = 'fakeonce'\n"
+        "    sync_driver = 'lk_fake_io:Driver'\n"
+        "    async_driver = 'lk_fake_io:AsyncDriver'\n"
+        "class FakeBackend(StoreBackend):\n"
+        "    store_class = Fake\n"
+        "class AsyncFakeBackend(AsyncStoreBackend):\n"
+        "    store_class = Fake\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = ("lk_fake_once:FakeBackend", "lk_fake_once:AsyncFakeBackend", "fakeonce")
+    monkeypatch.setitem(BUILTIN, "fakeonce", row)
+    connect = latchkey.connect if mode == "sync" else latchkey.connect_async
+    with pytest.raises(ConfigError, match=r"needs the lk_driver_that_is_not_installed driver: "
+                       r"pip install 'latchkey\[fakeonce\]'"):  # fmt: skip
+        connect("fakeonce://h/")
+    for module in ("lk_fake_once", "lk_fake_io"):
+        sys.modules.pop(module, None)
+
+
 def test_a_class_that_is_not_a_backend_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -67,6 +67,10 @@ def _load(target: str, scheme: str, extra: str | None, base: type) -> Any:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+        store = getattr(getattr(module, attr, None), "store_class", None)
+        if store is not None:  # a store written once: its driver is a module of its own
+            driver = store.async_driver if base is AsyncBackend else store.sync_driver
+            importlib.import_module(driver.partition(":")[0])
     except ModuleNotFoundError as exc:
         if extra and exc.name and not exc.name.startswith("latchkey"):
             raise ConfigError(
