@@ -220,12 +220,11 @@ def _inject(
     elif fault == "reset" and proxy is not None:
         proxy.reset()
     elif fault == "freeze" and server is not None:
-        os.kill(server.pid, signal.SIGSTOP)
-        time.sleep(hold)
-        os.kill(server.pid, signal.SIGCONT)
+        with server.frozen():  # the server and its children: PostgreSQL's sessions too
+            time.sleep(hold)
     elif fault in ("restart", "kill") and server is not None:
         if fault == "kill":  # the server and its children, as when its machine dies
-            tree = [server.pid, *_children(server.pid)]
+            tree = server.processes()
             for pid in tree:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -264,17 +263,6 @@ def _cuts(caps: Any) -> tuple[str, ...]:
     if not caps.durable:  # a restart forgets every lease
         return ("restart", "kill")
     return ()
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    found.append(int(entry.name))
-    return found
 
 
 def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:

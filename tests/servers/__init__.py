@@ -23,7 +23,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlencode
@@ -50,6 +50,26 @@ class RunningServer:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, self.stop_signal)
         wait_port_closed(self.port)
+
+    def processes(self) -> list[int]:
+        """The server's pid and its children's (PostgreSQL serves each session from a child:
+        stopping the postmaster alone freezes nothing a client talks to)."""
+        return [self.pid, *children(self.pid)]
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """SIGSTOP the server and its children, SIGCONT them on exit: the kernel still accepts
+        connections and acknowledges traffic, but nothing answers — a stalled machine."""
+        tree = self.processes()
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     def start(self) -> None:
         """Start it again on the same port and data (for fault tests)."""
@@ -151,6 +171,18 @@ def ensure_binary(binary: str, package: str, search: tuple[str, ...] = ()) -> st
         if path and os.access(path, os.X_OK):
             return path
     raise ServerUnavailable(f"installing {package} did not provide {binary}: {proc.stderr[-500:]}")
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
 
 
 def read_pidfile(path: Path, timeout: float = 10.0) -> int:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
+from latchkey.stores.io.watchdog import shut_down
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -53,6 +54,33 @@ else:  # pragma: no cover - 3.10
 
     async def bounded(aw: Awaitable[T], seconds: float) -> T:
         return await asyncio.wait_for(aw, seconds)
+
+
+async def cut_after(aw: Awaitable[T], seconds: float, fd: int) -> T:
+    """Await ``aw``, a call on the socket ``fd``; ``seconds`` later, if it is still running,
+    shut the socket down (the call fails by itself, at once) and raise TimeoutError — also when
+    it answered just then: the connection is gone. Unlike :func:`bounded` it never cancels
+    the call: psycopg answers a cancellation by asking the server to cancel the statement and
+    waiting up to ten seconds for that, which a frozen server never grants."""
+    cut: list[bool] = []
+
+    def expire() -> None:
+        cut.append(True)
+        with contextlib.suppress(OSError):
+            shut_down(fd)
+
+    handle = asyncio.get_running_loop().call_later(seconds, expire)
+    try:
+        result = await aw
+    except BaseException:
+        if cut:
+            raise TimeoutError(f"no answer within {seconds:g}s") from None
+        raise
+    finally:
+        handle.cancel()
+    if cut:
+        raise TimeoutError(f"no answer within {seconds:g}s")
+    return result
 
 
 class AsyncDriver(abc.ABC):

@@ -15,13 +15,15 @@ requests; :class:`PsycopgDriver` answers them:
   ``LISTEN`` connection per backend, read by one daemon thread) — a :class:`HandoffWaiter`,
   handed a lease by a release that names its ticket.
 
-Connections come from a :class:`~latchkey.stores.io.Pool` (checked without a round trip
-before each reuse: an idle connection has nothing to read unless the server ended it), are
-never used across ``fork()``, and a connection left in an unknown state by an error is
-closed. Every wait on the network is bounded by the server (``statement_timeout``,
-``connect_timeout``) and by TCP (keepalives, ``tcp_user_timeout``): see
-:func:`connection_params`. A statement that finds the tables missing creates them (the
-store's ``create``) and runs again.
+Connections come from a :class:`~latchkey.stores.io.Pool` (checked without a round trip before
+each reuse: an idle connection has nothing to read unless the server ended it), are never used
+across ``fork()``, and a connection left in an unknown state by an error is closed. Every wait
+on the network is bounded by the server (``statement_timeout``, ``connect_timeout``), by TCP
+(keepalives, ``tcp_user_timeout``: see :func:`connection_params`) and, for a server that is
+frozen or a network that swallows traffic, locally: a statement still running a second past the
+timeout has its socket shut down by the watchdog (:mod:`latchkey.stores.io.watchdog`) and fails
+as "no answer within …". A statement that finds the tables missing creates them (the store's
+``create``) and runs again.
 
 The ``postgresql+advisory://`` store's pinned sessions are in
 :mod:`latchkey.stores.io.sessions_psycopg` (they share this module's connection parameters
@@ -52,6 +54,7 @@ from latchkey._url import Option, StoreURL, choice
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
 from latchkey.stores.io import Driver, Pool, Steps, after_fork, drive
+from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.sql import Query
 
 if TYPE_CHECKING:
@@ -67,6 +70,9 @@ SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 IDLE = psycopg.pq.TransactionStatus.IDLE
 #: What a statement raises when the store's tables (or schema) are not there yet.
 MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+#: How long past the server-side bound (statement_timeout = the store's timeout) a statement
+#: may take before latchkey gives up on it locally (the watchdog; asyncio: bounded()).
+MARGIN = 1.0
 #: Where binary timestamptz values count microseconds from.
 PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
 
@@ -388,14 +394,24 @@ class Link(Session):
     def __init__(self, driver: PsycopgDriver) -> None:
         super().__init__(driver.params)
         self.driver = driver
+        self.cut = False  # the watchdog shut its socket down: never to be used again
 
     def answer(self, request: Any) -> Any:
-        """One request (see the module docstring); creates the tables if they are missing."""
+        """One request (see the module docstring), bounded by the watchdog; creates the tables
+        if they are missing."""
+        WATCHDOG.arm(self, self.driver.guard, self.fileno)
         try:
             return self._answer(request)
         except MISSING:  # first use
             drive(self.driver.store.create(), self._answer)
             return self._answer(request)
+        finally:
+            if WATCHDOG.disarm(self):
+                self.cut = True
+
+    def fileno(self) -> int:
+        assert self.conn is not None
+        return self.conn.pgconn.socket
 
     def _answer(self, request: Any) -> Any:
         if type(request) is Prepared:
@@ -419,7 +435,8 @@ class Link(Session):
         """After an error: whether the connection is idle and sound (else it is closed)."""
         conn = self.conn
         return not (
-            conn is None
+            self.cut
+            or conn is None
             or conn.closed
             or conn.broken
             or conn.pgconn.status != psycopg.pq.ConnStatus.OK
@@ -615,6 +632,9 @@ class PsycopgDriver(Driver):
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
+        #: The local bound of one statement: past the server's statement_timeout, so that the
+        #: server's own error comes first whenever the server is running at all.
+        self.guard = self.timeout + MARGIN
         self.params = connection_params(backend.url, backend.config, "latchkey")
         self.pool: Pool[Link] = Pool(self._open, _close, alive=Link.alive)
         self.listener = Listener(lambda: connect(self.params), store.channel, self._unclaimed)
@@ -635,11 +655,13 @@ class PsycopgDriver(Driver):
                 result = drive(steps, link.answer)
             except Exception:
                 (pool.put if link.usable() else pool.discard)(link)
+                if link.cut:
+                    raise TimeoutError(f"no answer within {self.guard:g}s") from None
                 raise
             except BaseException:  # interrupted mid-call: the protocol state is unknown
                 pool.discard(link)
                 raise
-            pool.put(link)
+            (pool.discard if link.cut else pool.put)(link)
             return result
         except StoreUnavailable:
             raise

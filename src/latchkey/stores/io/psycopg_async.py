@@ -33,7 +33,7 @@ from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, AsyncPool, adrive, bounded
+from latchkey.stores.io.aio import AsyncDriver, AsyncPool, adrive, bounded, cut_after
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     DRIVER_ERRORS,
@@ -173,7 +173,7 @@ class AsyncSession:
             result = cur.pgresult
             return await cur.fetchall() if result is not None and result.status == TUPLES_OK else []
 
-        return await guarded(run(), self.statement_guard)
+        return await cut_after(run(), self.statement_guard, conn.pgconn.socket)
 
     async def run_prepared(
         self, conn: Conn, name: bytes, query: bytes, params: Sequence[bytes],
@@ -186,9 +186,10 @@ class AsyncSession:
         cursor, parameter adaptation, the prepared-statement cache): most of an uncontended
         acquire+release's CPU. Call under :attr:`lock`; a connection left mid-statement (a
         timeout, a cancellation) must be discarded, as every caller here does."""
-        return await guarded(
+        return await cut_after(
             self._run_prepared(conn.pgconn, name, query, params, formats, binary),
             self.statement_guard,
+            conn.pgconn.socket,
         )
 
     async def _run_prepared(
@@ -418,7 +419,7 @@ class AsyncLink(AsyncSession):
             tuples = result is not None and result.status == TUPLES_OK
             return (await cur.fetchall() if tuples else []), cur.rowcount
 
-        return await guarded(run(), self.statement_guard)
+        return await cut_after(run(), self.statement_guard, conn.pgconn.socket)
 
     def usable(self) -> bool:
         """After an error: whether the connection is idle and sound (else it is closed)."""

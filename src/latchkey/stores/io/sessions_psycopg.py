@@ -2,13 +2,14 @@
 one statement, tell whether the server hung up — sync and asyncio.
 
 Connections are autocommit, with the libpq parameters of :func:`latchkey.stores.postgresql.
-connection_params` (connect and statement timeouts, TCP keepalives and ``tcp_user_timeout``:
-every wait on the network is bounded by the server and the kernel); the asyncio ones are
-bounded locally too, a second past ``timeout``. Statements with a prepared name (``extra``)
-go to libpq directly (``psycopg.pq``): prepared once per connection, then one
+connection_params` (connect and statement timeouts, TCP keepalives and ``tcp_user_timeout``),
+and every statement is bounded locally too, a second past ``timeout`` (a blocking wait: past
+its ``lock_timeout``): by the watchdog (:mod:`latchkey.stores.io.watchdog`) in sync code, by
+the event loop in asyncio — a frozen server leaves neither hanging. Statements with a prepared
+name (``extra``) go to libpq directly (``psycopg.pq``): prepared once per connection, then one
 ``exec_prepared`` (sync) or ``send_query_prepared`` with the event loop watching the socket
-(asyncio): psycopg's ``execute`` builds a cursor, adapts every parameter and looks the query
-up in its cache at each call, ~35 µs of CPU per acquire+release pair, more than the rest of
+(asyncio): psycopg's ``execute`` builds a cursor, adapts every parameter and looks the query up
+in its cache at each call, ~35 µs of CPU per acquire+release pair, more than the rest of
 latchkey. If the statement disappeared (psycopg sends ``DEALLOCATE ALL`` after a ROLLBACK or
 DROP it ran) it is prepared again, once.
 
@@ -22,13 +23,14 @@ import asyncio
 import contextlib
 import select
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
-from latchkey.stores.io.aio import bounded
+from latchkey.stores.io.aio import bounded, cut_after
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
+    MARGIN,
     TUPLES_OK,
     connection_params,
     deallocated,
@@ -37,22 +39,23 @@ from latchkey.stores.io.psycopg import (
 )
 from latchkey.stores.io.sessions import Session, SessionDriver
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
+from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.pg_advisory import application_name
 from latchkey.stores.sessionlocks import YES, Statement
 
 OK = psycopg.pq.ConnStatus.OK
 ACTIVE = psycopg.pq.TransactionStatus.ACTIVE
 ERRORS = (psycopg.Error, OSError)
-#: The local deadline of one asyncio network await: this much past the server-side bound.
-MARGIN = 1.0
+T = TypeVar("T")
 
 
 class PgSession(Session):
-    __slots__ = ("poller", "prepared")
+    __slots__ = ("cut", "poller", "prepared")
 
     def __init__(self, conn: Any, spare: bool) -> None:
         super().__init__(conn, conn.pgconn.backend_pid, str(conn.info.server_version), spare)
         self.prepared: set[bytes] = set()  # names prepared on this connection
+        self.cut = False  # the watchdog shut its socket down (the session is over)
         self.poller: Any = None
         if hasattr(select, "poll"):  # (Windows: select() every time)
             self.poller = select.poll()
@@ -71,7 +74,7 @@ def hung_up(session: PgSession) -> bool:
 def usable(session: PgSession) -> bool:
     conn = session.conn
     return not (
-        conn.closed or conn.broken or conn.pgconn.status != OK
+        session.cut or conn.closed or conn.broken or conn.pgconn.status != OK
         or conn.pgconn.transaction_status == ACTIVE
     )  # fmt: skip
 
@@ -86,11 +89,15 @@ class PsycopgSessions(SessionDriver):
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
         self.params = connection_params(backend.url, backend.config, application_name())
+        self.guard = self.timeout + MARGIN
 
     def connect(self, spare: bool) -> PgSession:
         return PgSession(psycopg.connect(autocommit=True, **self.params), spare)
 
     def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
+        return _watched(session, self.guard, self._execute, session, statement, params)
+
+    def _execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
         name = statement.extra
         if name is not None:
             pgconn = session.conn.pgconn
@@ -113,8 +120,9 @@ class PsycopgSessions(SessionDriver):
         return rows
 
     def wait(self, session: PgSession, statement: Statement, params: Any) -> bool:
+        bound = self.store.wait_cap_ms / 1000 + self.guard
         try:
-            session.conn.execute(statement.text, prepare=False)
+            _watched(session, bound, session.conn.execute, statement.text, prepare=False)
         except psycopg.errors.LockNotAvailable:  # lock_timeout passed first
             return False
         return True
@@ -131,6 +139,26 @@ class PsycopgSessions(SessionDriver):
     def interrupt(self, session: PgSession) -> None:
         with contextlib.suppress(*ERRORS):  # the wait ends by lock_timeout anyway
             session.conn.cancel_safe(timeout=self.timeout)
+
+
+def _watched(session: PgSession, seconds: float, call: Callable[..., T], *args: Any,
+             **kwargs: Any) -> T:  # fmt: skip
+    """``call`` under the watchdog (see :mod:`latchkey.stores.io.watchdog`): past ``seconds``
+    the session's socket is shut down and this raises TimeoutError — also when the answer
+    came just in time, since the session, and every lock it held, ended with its socket."""
+    fileno = session.conn.pgconn.socket
+    WATCHDOG.arm(session, seconds, lambda: fileno)
+    try:
+        result = call(*args, **kwargs)
+    except BaseException:
+        if WATCHDOG.disarm(session):
+            session.cut = True
+            raise TimeoutError(f"no answer within {seconds:g}s") from None
+        raise
+    if WATCHDOG.disarm(session):
+        session.cut = True
+        raise TimeoutError(f"no answer within {seconds:g}s")
+    return result
 
 
 class AsyncPsycopgSessions(AsyncSessionDriver):
@@ -150,8 +178,8 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
 
     async def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
         if statement.extra is None:
-            return await self.shielded(bounded(self._execute(session, statement, params),
-                                               self.guard))  # fmt: skip
+            call = self._execute(session, statement, params)
+            return await self.shielded(cut_after(call, self.guard, session.conn.pgconn.socket))
         # The hot path: libpq, with the loop watching the socket; a cancellation is held
         # back right there (reply), without a task of its own.
         pgconn = session.conn.pgconn
@@ -182,8 +210,9 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
 
     async def wait(self, session: PgSession, statement: Statement, params: Any) -> bool:
         try:
-            await bounded(session.conn.execute(statement.text, prepare=False),
-                          self.store.wait_cap_ms / 1000 + self.guard)  # fmt: skip
+            await cut_after(session.conn.execute(statement.text, prepare=False),
+                            self.store.wait_cap_ms / 1000 + self.guard,
+                            session.conn.pgconn.socket)  # fmt: skip
         except psycopg.errors.LockNotAvailable:
             return False
         return True
