@@ -6,6 +6,7 @@ A store failure is StoreUnavailable (a ConnectionError) within the configured ti
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import re
 import time
@@ -18,6 +19,8 @@ import pytest
 import latchkey
 from latchkey import LockLost, StoreUnavailable
 from tests import servers
+from tests.faults.proxy import Proxy
+from tests.helpers import eventually
 
 
 def _with_port(url: str, port: int) -> str:
@@ -90,6 +93,97 @@ def test_server_stopped_mid_run_then_restarted(
     second.release()
     store.close()
     other.close()
+
+
+def test_a_frozen_server_is_unavailable_within_the_timeout(
+    store_row: servers.StoreRow,
+    running_server: servers.RunningServer,
+    store_url: str,
+    name: str,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """A server that stops answering while its kernel still acknowledges everything (SIGSTOP:
+    a stalled machine) — TCP timeouts never fire and the server's own timers do not run. Every
+    call fails with StoreUnavailable within the store's timeout plus latchkey's one-second
+    local margin (and at most one connection attempt), on connections opened before and during
+    the freeze;
+    after the thaw the same store object works again."""
+    timeout = 1.0
+    store = connect(servers.with_query(store_url, timeout=f"{timeout:g}s"))
+    holder = store.lock(name, ttl="60s")
+    assert holder.acquire()  # a pooled connection, open and idle when the freeze comes
+    other = connect(servers.with_query(store_url, timeout=f"{timeout:g}s"))
+    # One statement's local bound (timeout + 1 s) and, where a store asks whether a session that
+    # failed has ended or the server is down, one connection attempt (libpq's connect_timeout
+    # is at least 2 s); and scheduling slack.
+    bound = (timeout + 1.0) + 2.0 + 1.5
+    with running_server.frozen():
+        for what, attempt in (
+            ("extend", lambda: holder.extend()),
+            ("inspect", lambda: store.inspect(name)),
+            ("acquire on a new connection", lambda: other.lock(name, wait=0).acquire()),
+        ):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                attempt()
+            took = time.monotonic() - started
+            assert took < bound, f"{what}: {took:.1f}s to report the frozen server"
+    eventually(lambda: _works(other, name), timeout=30, what="the store works after the thaw")
+    store.close()
+    other.close()
+
+
+def _works(store: latchkey.Store, name: str) -> bool:
+    try:
+        store.inspect(name)
+    except StoreUnavailable:
+        return False
+    return True
+
+
+def test_a_holder_cut_off_from_its_server_learns_why_its_lease_was_lost(
+    store_row: servers.StoreRow,
+    store_url: str,
+    name: str,
+    connect: Callable[[str], latchkey.Store],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A renewing holder whose connections are blackholed (a partition that drops packets)
+    keeps retrying while its lease lasts, then reports it lost — through on_lost, one warning
+    and check() — with the renewal's failure as the reason, not a bare "lease expired"; once
+    the network heals, the lease has ended on the server too and someone else gets it."""
+    if store_row.server is None:
+        pytest.skip(f"{store_row.id}: embedded store, no network to cut")
+    found = re.search(r"(127\.0\.0\.1|localhost):(\d+)", store_url)
+    assert found, store_url
+    proxy = Proxy("127.0.0.1", int(found.group(2)))
+    try:
+        store = connect(servers.with_query(_with_port(store_url, proxy.port), timeout="300ms"))
+        if not store.capabilities.ttl:
+            store.close()
+            pytest.skip(f"{store_row.id}: the lease lives as long as the session, no TTL to end")
+        calls: list[object] = []
+        lock = store.lock(name, ttl="2s", renew=True, on_lost=calls.append)
+        assert lock.acquire()
+        with caplog.at_level(logging.WARNING, logger="latchkey"):
+            proxy.set("blackhole")
+            eventually(lambda: calls, timeout=15, what="on_lost called by the renewer")
+        assert len(calls) == 1 and lock.lost
+        lost = [r.message for r in caplog.records if "lost (token" in r.message]
+        assert len(lost) == 1 and "could not renew before the lease ended" in lost[0], lost
+        with pytest.raises(LockLost, match="could not renew before the lease ended"):
+            lock.check()
+        proxy.heal()
+        other = connect(store_url)
+        eventually(
+            lambda: other.lock(name, ttl="10s", wait=0).acquire(),
+            timeout=15,
+            what="the lease ended on the server too",
+        )
+        other.close()
+        store.close()
+    finally:
+        proxy.close()
 
 
 def _open_and_lock(url: str, start: Any, out: Any) -> None:

@@ -87,6 +87,7 @@ class LeaseCore:
         self._owner: str | None = None
         self._deadline: float | None = None
         self._lost_reason: str | None = None
+        self._renew_failure: str | None = None  # the last renewal's error, if it failed
         self._lost_told = False  # the loss of the current lease was logged and on_lost called
         #: The shell's renewer (a thread or a task) while one runs; see ops.RENEW.
         self._renewer: Any = None
@@ -166,6 +167,7 @@ class LeaseCore:
             self._owner = owner
             self._lost_reason = None
             self._lost_told = False
+            self._renew_failure = None
             self.holder = None
             self._granted(result, sent, self.ttl)
         if self.renew:
@@ -185,7 +187,9 @@ class LeaseCore:
 
     def _extend(self, ttl: Duration | None = None) -> Steps[None]:
         if self._owner is not None and self.lost:
-            yield from self._lose(self._lost_reason or "lease expired")
+            failed = self._renew_failure
+            reason = f"could not renew before the lease ended: {failed}" if failed else None
+            yield from self._lose(self._lost_reason or reason or "lease expired")
         self.check()
         ttl_s = self.ttl if ttl is None else parse_ttl(ttl)
         sent = time.monotonic()
@@ -224,11 +228,13 @@ class LeaseCore:
         when renewing must stop (the lease is lost: marked so, with the reason)."""
         try:
             yield from self._extend()
+            self._renew_failure = None
             return self.ttl / 3
         except LockLost as exc:
             yield from self._lose(str(exc))
             return None
         except LatchkeyError as exc:  # StoreUnavailable and the like: retry while time is left
+            self._renew_failure = str(exc)
             left = self.remaining()
             left = float("inf") if left is None else left
             if left <= 0:
