@@ -77,6 +77,9 @@ def client_settings(url: StoreURL, timeout: float, database: str) -> tuple[str, 
         "serverSelectionTimeoutMS": ms,
         "connectTimeoutMS": ms,
         "socketTimeoutMS": ms,
+        # The whole operation, retries and server selection included: without it a read
+        # retried after a socket timeout took three timeouts to fail on a frozen server.
+        "timeoutMS": ms,
     }
     if "w" not in given:
         kwargs["w"] = "majority"
