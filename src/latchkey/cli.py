@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from latchkey import __version__
@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[common], help="list held locks")
     ls.add_argument("--prefix", default="", help="only names starting with this")
     ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.add_argument(
+        "--sort",
+        choices=("name", "age", "expires"),
+        default="name",
+        help="name (default), age (held longest first), expires (ending soonest first)",
+    )
+    ls.add_argument(
+        "--watch",
+        nargs="?",
+        const="2s",
+        metavar="INTERVAL",
+        help="refresh every INTERVAL (2s) until Ctrl-C; with --json, one JSON line each time",
+    )
+    ls.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
 
     show = sub.add_parser("show", parents=[common], help="show one lock's holders")
     show.add_argument("name", metavar="NAME")
@@ -171,7 +185,10 @@ def _glue_values(words: list[str]) -> list[str]:
     while i < len(words):
         word = words[i]
         following = words[i + 1] if i + 1 < len(words) else None
-        if word in _VALUE_OPTIONS and following is not None and following.startswith("-"):
+        if following is not None and following.startswith("-") and (
+            word in _VALUE_OPTIONS
+            or (word == "--watch" and following[1:2].isdigit())  # its value is optional
+        ):
             out.append(f"{word}={following}")
             i += 2
             continue
@@ -386,16 +403,66 @@ def _printable(text: str) -> str:
     return text if text.isprintable() else repr(text)[1:-1]
 
 
+_FOREVER = datetime.max.replace(tzinfo=timezone.utc)
+_SORT_KEYS = {
+    "name": lambda info: info.name,
+    "age": lambda info: (info.acquired_at or _FOREVER, info.name),
+    "expires": lambda info: (info.expires_at or _FOREVER, info.name),
+}
+
+
 def cmd_ls(args: argparse.Namespace, store: Store) -> int:
-    infos = list(store.list(prefix=args.prefix))
+    if args.count is not None and (args.count < 1 or args.watch is None):
+        raise ConfigError("--count: a number of refreshes ≥ 1, with --watch")
+    if args.watch is None:
+        print(_listing(args, store))
+        return EX_OK
+    interval = parse_duration(args.watch, what="--watch")
+    if interval <= 0:
+        raise ConfigError(f"--watch: expected a positive interval, got {args.watch!r}")
+    return _watch(args, store, interval)
+
+
+def _listing(args: argparse.Namespace, store: Store) -> str:
+    infos = sorted(store.list(prefix=args.prefix), key=_SORT_KEYS[args.sort])
     now = store.now()
     if args.json:
-        print(json.dumps([_info_json(i, now) for i in infos], ensure_ascii=False))
-    elif infos:
-        print(_table(["NAME", "TOKEN", "OWNER", "SINCE", "EXPIRES IN"], _rows(infos, now)))
-    else:
-        print("no locks held" + (f" with prefix {args.prefix!r}" if args.prefix else ""))
-    return EX_OK
+        return json.dumps([_info_json(i, now) for i in infos], ensure_ascii=False)
+    if infos:
+        return _table(["NAME", "TOKEN", "OWNER", "SINCE", "EXPIRES IN"], _rows(infos, now))
+    return "no locks held" + (f" with prefix {args.prefix!r}" if args.prefix else "")
+
+
+def _watch(args: argparse.Namespace, store: Store, interval: float) -> int:
+    """``ls --watch``: the listing again every ``interval``, until Ctrl-C (exit 0) or
+    ``--count`` refreshes. An outage is shown in its frame and the watch goes on (an operator
+    watches a stalled system); the exit status is that of the last refresh. With ``--json``,
+    one line per refresh: ``{"at": …, "locks": [...]}`` or ``{"at": …, "error": "…"}``."""
+    tty = sys.stdout.isatty() and not args.json
+    head = f"{_redacted_url(args) or 'the default store'}  every {format_duration(interval)}"
+    status, shown = EX_OK, 0
+    try:
+        while args.count is None or shown < args.count:
+            stamp = datetime.now().astimezone().isoformat(timespec="seconds")
+            try:
+                body, status = _listing(args, store), EX_OK
+            except StoreUnavailable as exc:
+                body, status = str(exc), EX_UNAVAILABLE
+            if args.json:
+                field = ("locks", json.loads(body)) if status == EX_OK else ("error", body)
+                print(json.dumps({"at": stamp, field[0]: field[1]}, ensure_ascii=False))
+            else:
+                if status != EX_OK:
+                    body = f"store unavailable: {body}"
+                clear = "\x1b[H\x1b[2J" if tty else ""
+                print(f"{clear}{head}  {stamp}\n\n{body}\n")
+            sys.stdout.flush()
+            shown += 1
+            if args.count is None or shown < args.count:
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return EX_OK  # stopping a watch is how it ends
+    return status
 
 
 def cmd_show(args: argparse.Namespace, store: Store) -> int:

@@ -265,3 +265,42 @@ def test_check_reports_round_trip_and_clock(env: dict[str, str]) -> None:
 def test_purge_and_init(env: dict[str, str]) -> None:
     assert latchkey(env, "init").returncode == 0
     assert json.loads(latchkey(env, "purge", "--json").stdout) == {"purged": 0}
+
+
+def test_ls_watch_refreshes_and_sorts(env: dict[str, str], holder: subprocess.Popen[str]) -> None:
+    later = latchkey(env, "run", "later", "--ttl", "5s", "--", "true")
+    assert later.returncode == 0  # released: only nightly is held
+    short = latchkey(env, "run", "short", "--ttl", "30s", "--at-least", "20s", "--", "true")
+    assert short.returncode == 0  # its lease stays for 20 s, ending before nightly's minute
+    result = latchkey(env, "ls", "--watch", "0.1", "--count", "3", "--json", "--sort", "expires")
+    assert result.returncode == 0, result.stderr
+    frames = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(frames) == 3 and all("at" in f for f in frames)
+    names = [[lock["name"] for lock in f["locks"]] for f in frames]
+    assert names == [["short", "nightly"]] * 3  # short ends first, though named later
+    by_age = latchkey(env, "ls", "--sort", "age", "--json")
+    assert [lock["name"] for lock in json.loads(by_age.stdout)] == ["nightly", "short"]
+    table = latchkey(env, "ls", "--watch", "0.1", "--count", "2")
+    assert table.returncode == 0
+    assert table.stdout.count("NAME  ") == 2 and "every 100ms" in table.stdout
+
+
+def test_ls_watch_goes_on_through_an_outage_and_reports_it(env: dict[str, str]) -> None:
+    env = {**env, "LATCHKEY_URL": "redis://:secret@127.0.0.1:1/?timeout=0.2s"}
+    result = latchkey(env, "ls", "--watch", "0.05", "--count", "2", "--json")
+    assert result.returncode == 69
+    frames = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(frames) == 2 and all("error" in f for f in frames)
+    assert "secret" not in result.stdout + result.stderr
+
+
+def test_ls_watch_rejects_bad_intervals(env: dict[str, str]) -> None:
+    for args, word in (
+        (["--watch", "-1s"], "negative"),
+        (["--watch", "0"], "positive"),
+        (["--count", "2"], "--count"),
+        (["--watch", "--count", "0"], "--count"),
+    ):
+        result = latchkey(env, "ls", *args)
+        assert result.returncode == 78, args
+        assert word in result.stderr and result.stderr.count("\n") == 1, result.stderr
