@@ -114,6 +114,12 @@ class SessionDriver(Driver):
         """Close the connection, errors ignored."""
         raise NotImplementedError
 
+    def no_answer(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the server did not answer in time (frozen, or the network
+        swallowing traffic): then a failed session's statement is an outage to report at
+        once, not a question for a new connection that would wait out its own timeout."""
+        return isinstance(exc, TimeoutError)
+
     def interrupt(self, session: Any) -> None:
         """End the wait another thread is in on ``session`` (it then fails, and closes it)."""
         raise NotImplementedError
@@ -140,8 +146,8 @@ class SessionDriver(Driver):
                 if self.usable(session, exc):
                     raise
                 self._end(session)
-                if request.session is None:
-                    raise  # the main session: the caller's statement failed
+                if request.session is None or self.no_answer(exc):
+                    raise  # the main session's statement failed, or no answer: an outage
                 raise SessionEnded(str(exc)) from exc
         if kind is Free:
             return self._free(request.session)

@@ -85,6 +85,10 @@ class AsyncSessionDriver(AsyncDriver):
     async def disconnect(self, session: Any) -> None:
         raise NotImplementedError
 
+    def no_answer(self, exc: BaseException) -> bool:
+        """See :meth:`latchkey.stores.io.sessions.SessionDriver.no_answer`."""
+        return isinstance(exc, (TimeoutError, asyncio.TimeoutError))
+
     async def interrupt(self, session: Any) -> None:
         """End the wait another task is in on ``session`` (it then fails, and closes it)."""
         raise NotImplementedError
@@ -151,8 +155,12 @@ class AsyncSessionDriver(AsyncDriver):
                 ):
                     raise
                 await self._end(session)  # failed, timed out, or cut short: out of step
-                if request.session is None or not isinstance(exc, self.driver_errors):
-                    raise
+                if (
+                    request.session is None
+                    or not isinstance(exc, self.driver_errors)
+                    or self.no_answer(exc)
+                ):
+                    raise  # the main session's statement failed, cut short, or no answer
                 raise SessionEnded(str(exc)) from exc
         if kind is Free:
             return await self._free(request.session)

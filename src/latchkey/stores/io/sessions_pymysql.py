@@ -83,6 +83,13 @@ class PyMySQLSessions(SessionDriver):
             with contextlib.suppress(OSError):
                 session.sock.settimeout(self.timeout)
 
+    def no_answer(self, exc: BaseException) -> bool:
+        # PyMySQL reports its socket's timeout as error 2013, "Lost connection … (timed out)".
+        return isinstance(exc, TimeoutError) or (
+            isinstance(exc, pymysql.err.OperationalError)
+            and bool(exc.args) and exc.args[0] == 2013 and "timed out" in str(exc)
+        )  # fmt: skip
+
     def hung_up(self, session: MySession) -> bool:
         if not session.conn.open:
             return True
