@@ -47,6 +47,11 @@ class AppDB:
         else:
             raise ValueError(f"no application database for {self.scheme}")
 
+    @staticmethod
+    def placeholder_of(url: str) -> str:
+        """The placeholder of the store driver for ``url``."""
+        return "?" if url.startswith("sqlite:") else "%s"
+
     def sql(self, text: str) -> str:
         """``text`` (``%s`` placeholders) in the store driver's style."""
         return text.replace("%s", self.placeholder)
@@ -78,9 +83,17 @@ class AppDB:
             cur.close()
 
     def create_done(self) -> str:
-        """A table where workers record each row's work: (event id, worker, token)."""
+        """A table where workers record each row's work: (seq, event id, worker, token), seq
+        increasing in commit order."""
         table = f"done_{uuid.uuid4().hex[:10]}"
-        self.execute(f"CREATE TABLE {table} (event_id INTEGER, worker VARCHAR(50), token BIGINT)")
+        seq = {
+            "sqlite": "seq INTEGER PRIMARY KEY AUTOINCREMENT",
+            "postgresql": "seq BIGSERIAL PRIMARY KEY",
+            "mysql": "seq BIGINT AUTO_INCREMENT PRIMARY KEY",
+        }[self.scheme]
+        self.execute(
+            f"CREATE TABLE {table} ({seq}, event_id INTEGER, worker VARCHAR(50), token BIGINT)"
+        )
         return table
 
     def close(self) -> None:
