@@ -319,3 +319,26 @@ def test_a_row_finished_elsewhere_is_not_leased(store: latchkey.Store, db: AppDB
         assert [row["id"] for row in leased] == [2, 3]
         for row in leased:
             assert row["processed_at"] is None
+
+
+def test_status_shows_free_leased_and_locked_rows(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(5)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.lease(limit=1, ttl="1m") as leased:
+        token = leased.token(leased.rows[0])
+        if store.scheme == "sqlite":  # a take would hold the write lock: locks are unknown
+            states = queue.status()
+            assert [(s.key, s.state, s.locked) for s in states][:2] == [
+                (1, "leased", None), (2, "free", None),
+            ]  # fmt: skip
+            return
+        with queue.take(limit=2) as taken:
+            assert [row["id"] for row in taken] == [1, 2]  # a take ignores leases
+            states = queue.status(limit=4)
+    assert [(s.key, s.state) for s in states] == [
+        (1, "leased+locked"), (2, "locked"), (3, "free"), (4, "free"),
+    ]  # fmt: skip
+    lease = states[0].lease
+    assert lease is not None and lease.token == token and lease.expires_at is not None
+    with queue.take(limit=5, wait=0) as again:  # status left no lock behind
+        assert len(again) == 5

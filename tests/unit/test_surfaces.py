@@ -65,7 +65,7 @@ _AWAITED = {
     "Semaphore": {"acquire", "release", "extend"},
     "Claim": {"release", "release_all"},
     "Record": {"get", "set", "delete", "update"},
-    "Rows": set(),
+    "Rows": {"status"},
     "TakeBatch": {"execute"},
     "LeaseBatch": {"done", "execute"},
 }  # fmt: skip

@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from latchkey._types import Grant, RowSpec
+from latchkey._types import Grant, RowSpec, RowState
 from latchkey.errors import Unsupported
 from latchkey.stores.io import Steps
 from latchkey.stores.sql import Query
@@ -112,19 +111,6 @@ def skip_locked_supported(server_version: str) -> bool:
     if "mariadb" in server_version.lower():
         return version >= (10, 6, 0)
     return version >= (8, 0, 1)
-
-
-@dataclass(frozen=True)
-class RowState:
-    """One row as ``latchkey rows`` shows it: its key, and whether it is leased (by whom,
-    until when) or locked by a take's transaction right now."""
-
-    key: Any
-    lease_owner: str | None = None
-    lease_token: int | None = None
-    lease_until: datetime | None = None
-    locked: bool | None = None
-    """None where the store cannot tell (SQLite: a take holds the whole database)."""
 
 
 class RowClaims:
@@ -251,8 +237,8 @@ class RowClaims:
         names = [f"{spec.table}:{key}".encode() for key in keys]
         marks = ", ".join([d.PARAM] * len(names))
         lease_sql = (
-            f"SELECT l.name, l.owner_info, l.token, l.expires_at FROM {self.lease_table()} AS l "
-            f"WHERE l.name IN ({marks}) AND {d.LIVE}"
+            f"SELECT l.name, l.owner_info, l.token, l.acquired_at, l.expires_at "
+            f"FROM {self.lease_table()} AS l WHERE l.name IN ({marks}) AND {d.LIVE}"
         )
         _, leases = yield Statement(lease_sql, tuple(names))
         leased = {bytes(row[0]).decode(): row for row in leases}
@@ -268,15 +254,9 @@ class RowClaims:
         states = []
         for key in keys:
             lease = leased.get(f"{spec.table}:{key}")
-            states.append(
-                RowState(
-                    key=key,
-                    lease_owner=lease[1] if lease else None,
-                    lease_token=int(lease[2]) if lease else None,
-                    lease_until=self.time(lease[3]) if lease else None,  # type: ignore[attr-defined]
-                    locked=None if free is None else str(key) not in free,
-                )
-            )
+            holder = None if lease is None else self.holder(lease)  # type: ignore[attr-defined]
+            locked = None if free is None else str(key) not in free
+            states.append(RowState(key, holder, locked))
         return states
 
 
