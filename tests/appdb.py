@@ -58,7 +58,10 @@ class AppDB:
 
     def execute(self, sql: str, params: Any = ()) -> list[tuple[Any, ...]]:
         cur = self.conn.cursor()
-        cur.execute(self.sql(sql), params)
+        if params:
+            cur.execute(self.sql(sql), params)
+        else:  # no parameters: sent as is ('%' needs no escaping)
+            cur.execute(sql)
         rows = [tuple(row) for row in cur.fetchall()] if cur.description else []
         cur.close()
         return rows

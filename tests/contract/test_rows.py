@@ -138,7 +138,8 @@ def test_an_exception_rolls_back_and_the_rows_are_due_again_at_once(
 def test_where_order_by_and_columns(store: latchkey.Store, db: AppDB) -> None:
     table = db.create_events(10)
     # A '%' in where needs no escaping: the statement is sent without parameters.
-    queue = store.rows(table, key="id", where="processed_at IS NULL AND id % 2 = 0",
+    # where may name the table itself (the statements use no alias for it).
+    queue = store.rows(table, key="id", where=f"{table}.processed_at IS NULL AND id % 2 = 0",
                        order_by="id DESC", columns=["body"])  # fmt: skip
     with queue.take(limit=3) as batch:
         assert batch.rows == [{"id": 10, "body": "event 10"}, {"id": 8, "body": "event 8"},
@@ -342,3 +343,32 @@ def test_status_shows_free_leased_and_locked_rows(store: latchkey.Store, db: App
     assert lease is not None and lease.token == token and lease.expires_at is not None
     with queue.take(limit=5, wait=0) as again:  # status left no lock behind
         assert len(again) == 5
+
+
+def test_a_server_failure_inside_a_take_is_store_unavailable(
+    store: latchkey.Store, db: AppDB
+) -> None:
+    if store.scheme == "sqlite":
+        pytest.skip("no server to fail")
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with pytest.raises(StoreUnavailable), queue.take(limit=2) as batch:
+        kill_the_session_in_a_transaction(db)  # what a server restart does to it
+        batch.execute(db.sql(f"UPDATE {table} SET processed_at = 1 WHERE id = %s"), (1,))
+    assert processed(db, table) == []  # rolled back by the server
+    with queue.take(limit=3) as batch:  # the dead connection was not pooled
+        assert [row["id"] for row in batch] == [1, 2, 3]
+
+
+def kill_the_session_in_a_transaction(db: AppDB) -> None:
+    if db.scheme == "postgresql":
+        killed = db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+        )
+    else:
+        ids = db.execute("SELECT trx_mysql_thread_id FROM information_schema.innodb_trx")
+        for (thread,) in ids:
+            db.execute(f"KILL {int(thread)}")
+        killed = ids
+    assert killed

@@ -57,12 +57,12 @@ SPEC = RowSpec("events", "id", "processed_at IS NULL AND tag LIKE 'a%'", "id", (
 @pytest.mark.parametrize(
     ("store_class", "expected"),
     [
-        (PostgreSQL, 'SELECT r."id", r."body" FROM "events" AS r WHERE (processed_at IS NULL '
-                     "AND tag LIKE 'a%') ORDER BY id LIMIT 5 FOR UPDATE SKIP LOCKED"),
-        (MySQL, "SELECT r.`id`, r.`body` FROM `events` AS r WHERE (processed_at IS NULL "
-                "AND tag LIKE 'a%') ORDER BY id LIMIT 5 FOR UPDATE SKIP LOCKED"),
-        (SQLite, 'SELECT r."id", r."body" FROM "events" AS r WHERE (processed_at IS NULL '
-                 "AND tag LIKE 'a%') ORDER BY id LIMIT 5"),
+        (PostgreSQL, 'SELECT "events"."id", "events"."body" FROM "events" WHERE (processed_at '
+                     "IS NULL AND tag LIKE 'a%') ORDER BY id LIMIT 5 FOR UPDATE SKIP LOCKED"),
+        (MySQL, "SELECT `events`.`id`, `events`.`body` FROM `events` WHERE (processed_at "
+                "IS NULL AND tag LIKE 'a%') ORDER BY id LIMIT 5 FOR UPDATE SKIP LOCKED"),
+        (SQLite, 'SELECT "events"."id", "events"."body" FROM "events" WHERE (processed_at '
+                 "IS NULL AND tag LIKE 'a%') ORDER BY id LIMIT 5"),
     ],
 )  # fmt: skip
 def test_the_take_statement_of_each_dialect(store_class: Any, expected: str) -> None:
@@ -76,12 +76,13 @@ def test_the_lease_statements_name_rows_as_the_lease_table_does() -> None:
     store.table, store.schema = "locks", None
     free = store.rows_select(RowSpec("app.events", "id"), 3, "", "")
     assert free == (
-        'SELECT r.* FROM "app"."events" AS r WHERE NOT EXISTS (SELECT 1 FROM "locks" AS l '
-        "WHERE l.name = convert_to('app.events:' || r.\"id\"::text, 'UTF8') AND "
-        "l.expires_at > now()) LIMIT 3"
+        'SELECT "app"."events".* FROM "app"."events" WHERE NOT EXISTS (SELECT 1 FROM "locks" '
+        "AS latchkey_lease WHERE latchkey_lease.name = convert_to('app.events:' || "
+        "\"app\".\"events\".\"id\"::text, 'UTF8') AND latchkey_lease.expires_at > now()) "
+        "LIMIT 3"
     )
     mine = store.rows_select(RowSpec("events", "id"), 3, "", "ab12")
-    assert "EXISTS (SELECT 1" in mine and "l.owner = 'ab12'" in mine
+    assert "EXISTS (SELECT 1" in mine and "latchkey_lease.owner = 'ab12'" in mine
     with pytest.raises(AssertionError):
         store.rows_select(RowSpec("events", "id"), 3, "", "x' OR '1'='1")
 

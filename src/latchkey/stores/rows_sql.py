@@ -60,10 +60,10 @@ class Dialect:
     LOCKING: str
     """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
     LEASE_NAME: str
-    """A row's lease name as the lease table stores it, from ``{prefix}`` (the parameter
-    holding ``'<table>:'``) and ``{key}`` (the quoted key column of row alias ``r``)."""
+    """A row's lease name as the lease table stores it, from ``{prefix}`` (the literal
+    ``'<table>:'``) and ``{key}`` (the table-qualified, quoted key column)."""
     LIVE: str
-    """True for a live lease row ``l``."""
+    """True for a live lease row ``latchkey_lease`` (an alias no application table shadows)."""
     PARAM: str
     """The driver's placeholder."""
 
@@ -73,8 +73,8 @@ POSTGRESQL = Dialect(
     quote='"',
     BEGIN="BEGIN",
     LOCKING="FOR UPDATE SKIP LOCKED",
-    LEASE_NAME="convert_to({prefix} || r.{key}::text, 'UTF8')",
-    LIVE="l.expires_at > now()",
+    LEASE_NAME="convert_to({prefix} || {key}::text, 'UTF8')",
+    LIVE="latchkey_lease.expires_at > now()",
     PARAM="%s",
 )
 #: MySQL 8 / MariaDB ≥ 10.6: names are VARBINARY (the UTF-8 bytes of the connection's utf8mb4).
@@ -82,8 +82,8 @@ MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
     LOCKING="FOR UPDATE SKIP LOCKED",
-    LEASE_NAME="CAST(CONCAT({prefix}, r.{key}) AS BINARY)",
-    LIVE="l.expires_at > UTC_TIMESTAMP(6)",
+    LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
+    LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
     PARAM="%s",
 )
 #: SQLite: BEGIN IMMEDIATE takes the database's write lock, so no row lock is needed; names
@@ -92,8 +92,8 @@ SQLITE = Dialect(
     quote='"',
     BEGIN="BEGIN IMMEDIATE",
     LOCKING="",
-    LEASE_NAME="CAST({prefix} || r.{key} AS BLOB)",
-    LIVE="l.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    LEASE_NAME="CAST({prefix} || {key} AS BLOB)",
+    LIVE="latchkey_lease.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
     PARAM="?",
 )
 
@@ -137,18 +137,23 @@ class RowClaims:
         q = d.quote
         table = ".".join(f"{q}{part}{q}" for part in spec.table.split("."))
         if spec.columns is None:
-            columns = "r.*"
+            columns = f"{table}.*"
         else:
             names = (spec.key, *(c for c in spec.columns if c != spec.key))
-            columns = ", ".join(f"r.{q}{name}{q}" for name in names)
-        sql = f"SELECT {columns} FROM {table} AS r"
+            columns = ", ".join(f"{table}.{q}{name}{q}" for name in names)
+        # No alias: ``where`` and ``order_by`` may name the table (``events.id``).
+        sql = f"SELECT {columns} FROM {table}"
         conditions = [f"({spec.where})"] if spec.where else []
         if lease is not None:
             assert re.fullmatch(r"[0-9a-f]*", lease) and re.fullmatch(r"[\w.]+", spec.table)
-            name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=f"{q}{spec.key}{q}")
-            live = f"SELECT 1 FROM {self.lease_table()} AS l WHERE l.name = {name} AND {d.LIVE}"
+            key = f"{table}.{q}{spec.key}{q}"
+            name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=key)
+            live = (
+                f"SELECT 1 FROM {self.lease_table()} AS latchkey_lease "
+                f"WHERE latchkey_lease.name = {name} AND {d.LIVE}"
+            )
             if lease:
-                conditions.append(f"EXISTS ({live} AND l.owner = '{lease}')")
+                conditions.append(f"EXISTS ({live} AND latchkey_lease.owner = '{lease}')")
             else:
                 conditions.append(f"NOT EXISTS ({live})")
         if conditions:
@@ -237,8 +242,10 @@ class RowClaims:
         names = [f"{spec.table}:{key}".encode() for key in keys]
         marks = ", ".join([d.PARAM] * len(names))
         lease_sql = (
-            f"SELECT l.name, l.owner_info, l.token, l.acquired_at, l.expires_at "
-            f"FROM {self.lease_table()} AS l WHERE l.name IN ({marks}) AND {d.LIVE}"
+            "SELECT latchkey_lease.name, latchkey_lease.owner_info, latchkey_lease.token, "
+            "latchkey_lease.acquired_at, latchkey_lease.expires_at "
+            f"FROM {self.lease_table()} AS latchkey_lease "
+            f"WHERE latchkey_lease.name IN ({marks}) AND {d.LIVE}"
         )
         _, leases = yield Statement(lease_sql, tuple(names))
         leased = {bytes(row[0]).decode(): row for row in leases}
