@@ -358,6 +358,16 @@ def test_a_server_failure_inside_a_take_is_store_unavailable(
     assert processed(db, table) == []  # rolled back by the server
     with queue.take(limit=3) as batch:  # the dead connection was not pooled
         assert [row["id"] for row in batch] == [1, 2, 3]
+    # The failure caught inside the block: the end of the block cannot commit, and says so.
+    with (
+        pytest.raises(StoreUnavailable, match="nothing was committed"),
+        queue.take(limit=1) as batch,
+    ):
+        kill_the_session_in_a_transaction(db)
+        with pytest.raises(StoreUnavailable):
+            batch.execute(f"SELECT 1 FROM {table}")
+    with queue.take(limit=3) as batch:
+        assert len(batch) == 3
 
 
 def kill_the_session_in_a_transaction(db: AppDB) -> None:
@@ -366,9 +376,12 @@ def kill_the_session_in_a_transaction(db: AppDB) -> None:
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
         )
-    else:
-        ids = db.execute("SELECT trx_mysql_thread_id FROM information_schema.innodb_trx")
-        for (thread,) in ids:
+    else:  # innodb_trx is a cached view (refreshed every 0.1 s): kill every idle session of
+        # this database but ours, as a restart would (the pool reopens the others)
+        killed = db.execute(
+            "SELECT id FROM information_schema.processlist "
+            "WHERE id <> CONNECTION_ID() AND command = 'Sleep' AND db = DATABASE()"
+        )
+        for (thread,) in killed:
             db.execute(f"KILL {int(thread)}")
-        killed = ids
     assert killed

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from latchkey._types import Grant, RowSpec, RowState
-from latchkey.errors import Unsupported
+from latchkey.errors import StoreUnavailable, Unsupported
 from latchkey.stores.io import Steps
 from latchkey.stores.sql import Query
 
@@ -267,6 +267,15 @@ class RowClaims:
         return states
 
 
+def raise_not_committed(backend: Any) -> None:
+    """A take's connection failed during the batch (the error was raised then, and caught):
+    the transaction cannot commit; the server rolled it back when the connection ended."""
+    raise StoreUnavailable(
+        f"{backend.scheme} store at {backend.url.redacted()}: commit failed: the batch's "
+        "connection failed earlier in the batch; nothing was committed"
+    )
+
+
 class Taken:
     """A take's open transaction on its pinned connection: the rows it locked, the
     application's statements, and its end (COMMIT or ROLLBACK, then the connection goes back
@@ -279,6 +288,11 @@ class Taken:
         return self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
     def finish(self, commit: bool) -> None:
+        if self.pin.broken:  # the server ends the transaction with the connection
+            self.pin.release(False)
+            if commit:
+                raise_not_committed(self.pin.driver.backend)
+            return
         ok = False
         try:
             self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
@@ -297,6 +311,11 @@ class AsyncTaken:
         return await self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
     async def finish(self, commit: bool) -> None:
+        if self.pin.broken:
+            await self.pin.release(False)
+            if commit:
+                raise_not_committed(self.pin.driver.backend)
+            return
         ok = False
         try:
             await self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
