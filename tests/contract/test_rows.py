@@ -416,3 +416,24 @@ def test_many_concurrent_async_takes_on_sqlite_do_not_starve(tmp_path: Path) -> 
     assert sum(asyncio.run(main())) == 40
     assert processed(db, table) == list(range(1, 41))
     db.close()
+
+
+def test_an_error_in_where_is_the_drivers_own_and_leaves_the_store_usable(
+    store: latchkey.Store, db: AppDB, name: str
+) -> None:
+    table = db.create_events(2)
+    broken = store.rows(table, where="no_such_column IS NULL")
+    for attempt in (
+        lambda: broken.take(limit=1).__enter__(),
+        lambda: broken.lease(limit=1, ttl=5).__enter__(),
+        lambda: broken.status(),
+    ):
+        with pytest.raises(Exception) as caught:
+            attempt()
+        assert not isinstance(caught.value, latchkey.LatchkeyError), caught.value
+        assert "no_such_column" in str(caught.value)
+    for _ in range(10):  # no pooled connection was left inside a transaction
+        lock = store.lock(name, ttl=10, wait=0)
+        assert lock.acquire() and lock.release()
+    with store.rows(table, where="processed_at IS NULL").take(limit=5) as batch:
+        assert len(batch) == 2
