@@ -39,9 +39,10 @@ from typing import Any
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder
 from latchkey.errors import ConfigError
-from latchkey.stores.base import BackendBase
+from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
@@ -62,6 +63,9 @@ class Duplicate(Refused):
 
 
 REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
+#: Server errors (below 2000: the server answered) that still end the session: shutdown,
+#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
+SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
 
 # {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
 # make that safe when many processes start at once.
@@ -261,10 +265,11 @@ def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
 
-class MySQL(LeaseTable):
+class MySQL(RowClaims, LeaseTable):
     """The lease table in MySQL or MariaDB (see the module docstring)."""
 
     scheme = "mysql"
+    capabilities, ROWS = Capabilities(rows=True), MYSQL
     sync_driver = "latchkey.stores.io.pymysql:PyMySQLDriver"
     async_driver = "latchkey.stores.io.asyncmy:AsyncmyDriver"
     RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE = RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE

@@ -40,8 +40,9 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
-from latchkey.stores.io import Driver, Pool, Steps, drive
-from latchkey.stores.mysql import REFUSED, Refused
+from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
+from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -196,3 +197,42 @@ class PyMySQLDriver(Driver):
 
     def close(self) -> None:
         self.pool.close()
+
+    def pin(self) -> Pinned:
+        """One pooled connection held across calls (a take's transaction): ``Statement``
+        requests run on its cursor (``%s``, the application's style); given back if sound."""
+        pool = self.pool
+        with self.backend.translate("connect", self.errors):
+            pooled = pool.get()
+
+        def answer(request: Any) -> Any:
+            if type(request) is Statement:
+                return statement(pooled.cur, request)
+            return pooled.answer(request)
+
+        def give_back(pooled: Connection, reuse: bool) -> None:
+            (pool.put if reuse else pool.discard)(pooled)
+
+        return Pinned(self, pooled, answer, give_back, user_error)
+
+
+def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
+    """The application's statement (``params`` None: sent as is): its columns and rows."""
+    cur.execute(request.sql, request.params)
+    columns = [column[0] for column in cur.description] if cur.description else None
+    rows = list(cur.fetchall()) if columns is not None else []
+    while cur.nextset():
+        pass
+    return columns, rows
+
+
+def user_error(exc: BaseException) -> bool:
+    """Whether a driver error is the application's statement failing (bad SQL, an unknown
+    column, a constraint, a lost deadlock or lock wait: the server answered with an error of
+    its own, the connection is sound), not the server or the network failing. PyMySQL and
+    asyncmy raise OperationalError for many of the former (1054, unknown column), so the
+    error's number decides: client errors (2000 and up) never are."""
+    if isinstance(exc, Refused):
+        return True
+    code = exc.args[0] if exc.args else None
+    return isinstance(code, int) and code < 2000 and code not in SESSION_ENDING
