@@ -191,10 +191,24 @@ class RowClaims:
         """Start the take's transaction and lock the due rows (run on a pinned connection;
         the transaction stays open: :meth:`rows_end` ends it)."""
         yield from self.check_skip_locked()
-        yield Query(self.ROWS.BEGIN)
+        try:
+            yield Query(self.ROWS.BEGIN)
+        except Exception as exc:
+            if not self.write_lock_busy(exc):
+                raise
+            # SQLite: other takes kept the one write lock for the whole busy timeout — every
+            # due row is in their transactions, as SKIP LOCKED would find them: an empty batch
+            # (the caller's wait asks again). A deferred BEGIN holds nothing; its COMMIT ends it.
+            yield Query("BEGIN")
+            return []
         select = self.rows_select(spec, limit, self.ROWS.LOCKING, None)
         columns, rows = yield Statement(select)
         return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    def write_lock_busy(self, exc: BaseException) -> bool:
+        """Whether ``exc``, from a take's BEGIN, says another writer holds the database
+        (SQLite only; a server database locks rows, not the database)."""
+        return False
 
     def rows_end(self, commit: bool) -> Steps[None]:
         """COMMIT or ROLLBACK the take's transaction."""

@@ -14,6 +14,7 @@ serialises across processes (WAL mode; readers never block). URL: ``sqlite:///re
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -138,11 +139,24 @@ class SQLite(RowClaims, LeaseTable):
                 raise ConfigError(f"sqlite store: directory {str(parent)!r} does not exist")
 
     def setup(self) -> list[str]:
-        """Run at each connect (the driver's): durability level, then the tables."""
-        return [
-            f"PRAGMA synchronous={self.config['synchronous'].upper()}",
-            CREATE.format(t=self.table, version=SCHEMA_VERSION),
-        ]
+        """Run at each connect (the driver's): the durability level."""
+        return [f"PRAGMA synchronous={self.config['synchronous'].upper()}"]
+
+    def write_lock_busy(self, exc: BaseException) -> bool:
+        return isinstance(exc, sqlite3.OperationalError) and (
+            "locked" in str(exc) or "busy" in str(exc)
+        )
+
+    def tables(self) -> tuple[str, str]:
+        """(a query counting the store's tables, the script creating them): the driver runs
+        the script at connect only when the count is short, since creating takes the write
+        lock, which a take may hold for as long as its batch lasts."""
+        t = self.table
+        count = (
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' "
+            f"AND name IN ('{t}', '{t}_meta', '{t}_records')"
+        )
+        return count, CREATE.format(t=t, version=SCHEMA_VERSION)
 
     def time(self, value: Any) -> datetime:
         return _dt(value)

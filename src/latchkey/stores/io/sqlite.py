@@ -61,6 +61,15 @@ class SQLiteDriver(Driver):
             _set_wal(conn, store.timeout)
             for statement in store.setup():
                 conn.executescript(statement)
+            count, create = store.tables()
+            if conn.execute(count).fetchone()[0] < 3:
+                try:
+                    conn.executescript(create)
+                except sqlite3.OperationalError as exc:
+                    # Writers kept the lock past the busy timeout: fine if one of them made
+                    # the tables meanwhile (a new file opened by many processes at once).
+                    if "locked" not in str(exc) or conn.execute(count).fetchone()[0] < 3:
+                        raise
         except BaseException:
             conn.close()
             raise
