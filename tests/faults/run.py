@@ -51,6 +51,11 @@ NETWORK = ("latency", "blackhole", "reset")
 #: runs freeze them but do not restart them; scripts/chaos --restarts does.
 SLOW_RESTART = ("mongodb",)
 SERVER = ("freeze", "restart", "kill")
+#: A server restarted by a fault has run at least this long (s): memcached's fencing tokens
+#: count from its start time in whole seconds, documented to rise across restarts at least a
+#: second apart (docs/stores/memcached.md); back-to-back restart and kill faults made two starts
+#: within one second and, once, duplicate tokens.
+MIN_LIFE = 1.1
 CLIENT = ("worker-stop", "worker-kill")
 
 
@@ -223,6 +228,9 @@ def _inject(
         with server.frozen():  # the server and its children: PostgreSQL's sessions too
             time.sleep(hold)
     elif fault in ("restart", "kill") and server is not None:
+        started = server.extra.get("chaos_started")
+        if isinstance(started, float):  # see MIN_LIFE
+            time.sleep(max(0.0, started + MIN_LIFE - time.monotonic()))
         if fault == "kill":  # the server and its children, as when its machine dies
             tree = server.processes()
             for pid in tree:
@@ -239,6 +247,7 @@ def _inject(
         else:
             server.stop()
         server.start()
+        server.extra["chaos_started"] = time.monotonic()
     elif fault == "worker-stop":
         holders = [w for w in live if w in recorder.holders()]
         victim = rng.choice(holders or live)  # a holder if there is one: the telling case
