@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode
 
 
 class ServerUnavailable(Exception):
@@ -105,9 +105,10 @@ ROWS: list[StoreRow] = []
 
 
 def with_query(url: str, **options: str) -> str:
-    """``url`` with ``options`` added to its query string."""
-    sep = "&" if "?" in url else "?"
-    return url + sep + urlencode(options)
+    """``url`` with ``options`` set in its query string (replacing any given already)."""
+    base, _, query = url.partition("?")
+    kept = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k not in options]
+    return base + "?" + urlencode([*kept, *options.items()])
 
 
 def replace_scheme(url: str, scheme: str) -> str:

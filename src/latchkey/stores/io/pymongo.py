@@ -77,10 +77,12 @@ def client_settings(url: StoreURL, timeout: float, database: str) -> tuple[str, 
         "serverSelectionTimeoutMS": ms,
         "connectTimeoutMS": ms,
         "socketTimeoutMS": ms,
-        # The whole operation, retries and server selection included: without it a read
-        # retried after a socket timeout took three timeouts to fail on a frozen server.
-        "timeoutMS": ms,
     }
+    if "retryReads" not in given:
+        # A read that timed out is not tried again: on a frozen server pymongo's retry (and
+        # the server selection before it) took three timeouts to fail. (timeoutMS would bound
+        # the whole operation instead, but then a claim of 1,000 names must fit in one timeout.)
+        kwargs["retryReads"] = False
     if "w" not in given:
         kwargs["w"] = "majority"
     if "appName" not in given:
