@@ -105,7 +105,8 @@ class Raw:
 
     def run(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[list[Any], int]:
         """Execute one statement; return its rows (if any) and its row count."""
-        sql = sql.replace("%s", PH[self.store])
+        if self.store == "sqlite":
+            sql = sql.replace("%s", "?")
         if self.store == "mysql":
             with self.conn.cursor() as cur:
                 cur.execute(sql, params or None)
@@ -229,8 +230,11 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
         write_result(cfg, index, out)
         return
 
-    update = f"UPDATE {ev} SET processed_at = {now} WHERE id = %s"
-    record = f"INSERT INTO {pr} (event_id, pid, token) VALUES (%s, %s, %s)"
+    # In the driver's own placeholder style: batch.execute passes them on as they are.
+    update = f"UPDATE {ev} SET processed_at = {now} WHERE id = %s".replace("%s", PH[store])
+    record = f"INSERT INTO {pr} (event_id, pid, token) VALUES (%s, %s, %s)".replace(
+        "%s", PH[store]
+    )
     due = f"SELECT id FROM {ev} WHERE processed_at IS NULL ORDER BY id LIMIT 1"
     deadline = time.monotonic() + DAEMON_SECONDS
     pid = os.getpid()
@@ -343,9 +347,7 @@ def run_subject(
            "results_dir": str(results_dir)}  # fmt: skip
     cell: dict[str, Any] = {"store": store, "subject": subject, "round": round_,
                             "daemons": daemons, "rows": args.rows}  # fmt: skip
-    if round_ == "kill":
-        cell["ttl"] = cfg["ttl"]
-    elif subject == "lease10":
+    if subject == "lease10":
         cell["ttl"] = cfg["ttl"]
     setup = Raw(store, env, db_path)
     try:
