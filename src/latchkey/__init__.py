@@ -21,6 +21,7 @@ from latchkey._durations import Duration, parse_duration
 from latchkey._lock import Lock, Semaphore
 from latchkey._owner import Owner
 from latchkey._record import Record
+from latchkey._rows import LeaseBatch, Rows, TakeBatch
 from latchkey._store import Store, connect
 from latchkey._types import Holder, LockInfo
 from latchkey.errors import (
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from latchkey._async.claim import AsyncClaim
     from latchkey._async.lock import AsyncLock, AsyncSemaphore
     from latchkey._async.record import AsyncRecord
+    from latchkey._async.rows import AsyncLeaseBatch, AsyncRows, AsyncTakeBatch
     from latchkey._async.store import AsyncStore, connect_async
 
 __version__ = "0.2.0.dev0"
@@ -47,9 +49,12 @@ __version__ = "0.2.0.dev0"
 _ASYNC = {
     "AsyncClaim": "latchkey._async.claim",
     "AsyncLock": "latchkey._async.lock",
+    "AsyncLeaseBatch": "latchkey._async.rows",
     "AsyncRecord": "latchkey._async.record",
+    "AsyncRows": "latchkey._async.rows",
     "AsyncSemaphore": "latchkey._async.lock",
     "AsyncStore": "latchkey._async.store",
+    "AsyncTakeBatch": "latchkey._async.rows",
     "connect_async": "latchkey._async.store",
 }
 
@@ -66,10 +71,13 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncClaim",
+    "AsyncLeaseBatch",
     "AsyncLock",
     "AsyncRecord",
+    "AsyncRows",
     "AsyncSemaphore",
     "AsyncStore",
+    "AsyncTakeBatch",
     "Capabilities",
     "Claim",
     "ConfigError",
@@ -80,15 +88,18 @@ __all__ = [
     "InvalidName",
     "InvalidValue",
     "LatchkeyError",
+    "LeaseBatch",
     "Lock",
     "LockInfo",
     "LockLost",
     "LockTimeout",
     "Owner",
     "Record",
+    "Rows",
     "Semaphore",
     "Store",
     "StoreUnavailable",
+    "TakeBatch",
     "Unsupported",
     "__version__",
     "connect",

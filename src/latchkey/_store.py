@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect as _inspect
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -18,6 +18,7 @@ from latchkey._durations import Duration
 from latchkey._lock import Lock, Semaphore
 from latchkey._names import validate_name
 from latchkey._record import Record
+from latchkey._rows import Rows
 from latchkey._run import run
 from latchkey._types import LockInfo
 from latchkey.stores import Backend, open_backend
@@ -84,6 +85,23 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
     def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""
         return self.backend.purge_expired()
+
+    # -- rows of the application's own table -------------------------------------------------
+
+    def rows(
+        self,
+        table: str,
+        key: str = "id",
+        where: str | None = None,
+        order_by: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> Rows:
+        """Claim rows of ``table`` (in this store's database) by batches: ``take`` (one
+        transaction, rows locked ``FOR UPDATE SKIP LOCKED``) or ``lease`` (a lease per row, no
+        transaction held). ``key`` is the table's key column; ``columns`` the columns to
+        return (None: all). ``where`` and ``order_by`` are SQL text that must never come from
+        end users. SQL stores only: elsewhere :class:`~latchkey.errors.Unsupported`."""
+        return Rows(self, table, key, where, order_by, columns)
 
     # -- records -----------------------------------------------------------------------------
 

@@ -77,3 +77,15 @@ class Busy:
     holders: int
     holder: Holder | None = None
     retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """Which rows ``store.rows(...)`` claims: ``table``, ``key`` and ``columns`` (None: all)
+    are validated identifiers; ``where`` and ``order_by`` are the application's SQL text."""
+
+    table: str
+    key: str
+    where: str | None = None
+    order_by: str | None = None
+    columns: tuple[str, ...] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect as _inspect
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -14,6 +14,7 @@ from latchkey._async._run import arun
 from latchkey._async.claim import AsyncClaim
 from latchkey._async.lock import AsyncLock, AsyncSemaphore
 from latchkey._async.record import AsyncRecord
+from latchkey._async.rows import AsyncRows
 from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._names import validate_name
@@ -78,6 +79,19 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
     async def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""
         return await self.backend.purge_expired()
+
+    # -- rows of the application's own table -------------------------------------------------
+
+    def rows(
+        self,
+        table: str,
+        key: str = "id",
+        where: str | None = None,
+        order_by: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> AsyncRows:
+        """See :meth:`latchkey.Store.rows`: ``async with store.rows(…).take(…) as batch``."""
+        return AsyncRows(self, table, key, where, order_by, columns)
 
     # -- records -----------------------------------------------------------------------------
 

@@ -33,9 +33,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
-from latchkey._types import Busy, Grant, Holder, LockInfo
+from latchkey._types import Busy, Grant, Holder, LockInfo, RowSpec
 from latchkey._url import Option, StoreURL, read_options
 from latchkey.errors import StoreUnavailable, Unsupported
+
+#: ``rows_lease``'s answer: each row leased (a dict) and its lease.
+LeasedRows = list[tuple[dict[str, Any], Grant]]
+#: The rows an application statement produced.
+RowTuples = list[tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class Capabilities:
     """Locks live as long as one connection (PostgreSQL advisory locks, MySQL GET_LOCK)."""
     survives_eviction: bool = True
     """False where the store may drop live leases to free memory (memcached, Redis LRU)."""
+    rows: bool = False
+    """``store.rows(...)``: claims rows of the application's own table in the same database
+    (``take`` and ``lease``; the SQL lease-table stores)."""
 
 
 #: The database servers' own session locks (PostgreSQL advisory locks, MySQL GET_LOCK): held
@@ -244,6 +252,29 @@ class Backend(BackendBase, abc.ABC):
         """Delete the record if its version is still ``version``; False if it moved."""
         raise Unsupported(f"the {self.scheme} store does not support versioned records")
 
+    # -- rows of the application's table (capabilities.rows) ---------------------------------
+
+    def rows_take(self, spec: RowSpec, limit: int) -> Any:
+        """Open a transaction on a connection held for the caller, lock up to ``limit`` due
+        rows of ``spec`` (``FOR UPDATE SKIP LOCKED``) and return the handle: ``.rows`` (dicts),
+        ``.execute(sql, params)`` in that transaction, ``.finish(commit)`` which ends it and
+        gives the connection back. See :mod:`latchkey.stores.rows_sql`."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    def rows_lease(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> LeasedRows:
+        """Lease up to ``limit`` due rows with no live lease (names ``<table>:<key>``)."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    def rows_execute(self, sql: str, params: Any) -> RowTuples:
+        """The application's statement, in its own short transaction (autocommit)."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+        """Up to ``limit`` due rows with their lease and lock state (``RowState``)."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
     # -- waiting, health, lifecycle ----------------------------------------------------------
 
     def subscribe(self, name: str) -> Waiter | None:
@@ -386,6 +417,20 @@ class AsyncBackend(BackendBase, abc.ABC):
 
     async def record_delete(self, name: str, version: int) -> bool:
         raise Unsupported(f"the {self.scheme} store does not support versioned records")
+
+    async def rows_take(self, spec: RowSpec, limit: int) -> Any:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_lease(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> LeasedRows:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_execute(self, sql: str, params: Any) -> RowTuples:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def subscribe(self, name: str) -> AsyncWaiter | None:
         return None

@@ -39,9 +39,10 @@ from typing import Any
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder
 from latchkey.errors import ConfigError
-from latchkey.stores.base import BackendBase
+from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
@@ -261,10 +262,11 @@ def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
 
-class MySQL(LeaseTable):
+class MySQL(RowClaims, LeaseTable):
     """The lease table in MySQL or MariaDB (see the module docstring)."""
 
     scheme = "mysql"
+    capabilities, ROWS = Capabilities(rows=True), MYSQL
     sync_driver = "latchkey.stores.io.pymysql:PyMySQLDriver"
     async_driver = "latchkey.stores.io.asyncmy:AsyncmyDriver"
     RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE = RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE

@@ -46,6 +46,7 @@ from latchkey.stores.io.psycopg import (
     utc,
 )
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.rows_sql import POSTGRESQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
@@ -94,13 +95,13 @@ def slot_answer(row: Sequence[Any]) -> Grant | Busy:
     return Busy(holders=live, holder=soonest, retry_after=max(0.0, left))
 
 
-class PostgreSQL(LeaseTable):
+class PostgreSQL(RowClaims, LeaseTable):
     """The lease table in PostgreSQL. Statements: ``{t}`` is the table's name (validated: an
     identifier, so quoting is enclosing it in quotes), ``{s}`` the quoted schema and a dot, or
     nothing; ``$n`` are parameters; names are always bytea parameters (their UTF-8 bytes)."""
 
     scheme = "postgresql"
-    capabilities = Capabilities(push=True)
+    capabilities, ROWS = Capabilities(push=True, rows=True), POSTGRESQL
     options = {
         "table": Option(table_name, "latchkey_locks", "lease table (also <table>_records …)"),
         "schema": Option(identifier, None, "schema of the tables (default: current schema)"),

@@ -30,15 +30,23 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from latchkey._types import Busy, Grant, LockInfo
+from latchkey._types import Busy, Grant, LockInfo, RowSpec
 from latchkey._url import Option, StoreURL
 from latchkey.errors import Unsupported
-from latchkey.stores.base import AsyncBackend, Backend, BackendBase, Capabilities
+from latchkey.stores.base import (
+    AsyncBackend,
+    Backend,
+    BackendBase,
+    Capabilities,
+    LeasedRows,
+    RowTuples,
+)
 from latchkey.stores.io import Steps
 
 if TYPE_CHECKING:
     from latchkey.stores.io import Driver
     from latchkey.stores.io.aio import AsyncDriver
+    from latchkey.stores.rows_sql import RowClaims
 
 
 class Store:
@@ -211,6 +219,49 @@ class StoreBackend(Backend):
     def record_delete(self, name: str, version: int) -> bool:
         return self.io.run(self.store.record_delete(name, version), "record delete")
 
+    def rows_take(self, spec: RowSpec, limit: int) -> Any:
+        rows = self._rows()
+        pin = self.io.pin()  # type: ignore[attr-defined]
+        try:
+            taken = pin.run(rows.rows_take(spec, limit), "take rows")
+        except BaseException:
+            pin.release(False)
+            raise
+        from latchkey.stores.rows_sql import Taken
+
+        return Taken(pin, rows, taken)
+
+    def rows_lease(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> LeasedRows:
+        rows = self._rows()
+        steps = rows.rows_lease(spec, owner, owner_info, ttl, limit)
+        return self._pinned(steps, "lease rows")  # type: ignore[no-any-return]
+
+    def rows_execute(self, sql: str, params: Any) -> RowTuples:
+        steps = self._rows().rows_execute(sql, params)
+        return self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
+
+    def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+        steps = self._rows().rows_status(spec, limit)
+        return self._pinned(steps, "read rows")  # type: ignore[no-any-return]
+
+    def _rows(self) -> RowClaims:
+        if not self.capabilities.rows:
+            raise Unsupported(f"the {self.scheme} store does not support row claiming")
+        return self.store  # type: ignore[return-value]
+
+    def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
+        """Steps on a connection of their own (they send Statement requests), then back."""
+        pin = self.io.pin()  # type: ignore[attr-defined]
+        ok = False
+        try:
+            result = pin.run(steps, action, user)
+            ok = True
+            return result
+        finally:
+            pin.release(ok)
+
     def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
         return self.io.run(self.store.wait_in_line(name, owner, owner_info, ttl, limit), "wait")
 
@@ -310,6 +361,47 @@ class AsyncStoreBackend(AsyncBackend):
 
     async def subscribe(self, name: str) -> Any:
         return await self.wait_in_line(name, "", "", 0.0, 1)
+
+    async def rows_take(self, spec: RowSpec, limit: int) -> Any:
+        rows = self._rows()
+        pin = await self.io.pin()  # type: ignore[attr-defined]
+        try:
+            taken = await pin.run(rows.rows_take(spec, limit), "take rows")
+        except BaseException:
+            await pin.release(False)
+            raise
+        from latchkey.stores.rows_sql import AsyncTaken
+
+        return AsyncTaken(pin, rows, taken)
+
+    async def rows_lease(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> LeasedRows:
+        steps = self._rows().rows_lease(spec, owner, owner_info, ttl, limit)
+        return await self._pinned(steps, "lease rows")  # type: ignore[no-any-return]
+
+    async def rows_execute(self, sql: str, params: Any) -> RowTuples:
+        steps = self._rows().rows_execute(sql, params)
+        return await self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
+
+    async def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+        steps = self._rows().rows_status(spec, limit)
+        return await self._pinned(steps, "read rows")  # type: ignore[no-any-return]
+
+    def _rows(self) -> RowClaims:
+        if not self.capabilities.rows:
+            raise Unsupported(f"the {self.scheme} store does not support row claiming")
+        return self.store  # type: ignore[return-value]
+
+    async def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
+        pin = await self.io.pin()  # type: ignore[attr-defined]
+        ok = False
+        try:
+            result = await pin.run(steps, action, user)
+            ok = True
+            return result
+        finally:
+            await pin.release(ok)
 
     async def now(self) -> datetime:
         return await self.io.run(self.store.now(), "clock read")

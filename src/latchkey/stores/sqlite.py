@@ -22,9 +22,10 @@ from typing import Any
 from latchkey._types import Busy, Grant
 from latchkey._url import Option, choice
 from latchkey.errors import ConfigError
-from latchkey.stores.base import BackendBase
+from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.rows_sql import SQLITE, RowClaims
 from latchkey.stores.sql import LeaseTable, Query, chunks
 
 SCHEMA_VERSION = 1
@@ -99,10 +100,12 @@ RECORD_DELETE = "DELETE FROM {t}_records WHERE name = ? AND version = ?"
 SELECT_NOW = f"SELECT {NOW_MS}"
 
 
-class SQLite(LeaseTable):
+class SQLite(RowClaims, LeaseTable):
     """The lease table in one SQLite file (see the module docstring)."""
 
     scheme = "sqlite"
+    capabilities = Capabilities(rows=True)
+    ROWS = SQLITE
     options = {
         **LeaseTable.options,
         "synchronous": Option(

@@ -242,3 +242,58 @@ class Pool(Generic[C]):
             idle, self._idle = self._idle, []
         while idle:
             self.discard(idle.pop())
+
+
+# -- a connection held across calls ----------------------------------------------------------
+
+
+class Pinned:
+    """One connection held by one caller across several calls, then given back: a
+    ``rows.take`` batch's open transaction (:mod:`latchkey.stores.rows_sql`). Made by a
+    driver's ``pin()``, with how it answers requests on that connection, how it gives the
+    connection back (``give_back(conn, reuse)``: reuse False closes it), and which of the
+    driver's errors are the application's own statement failing (``user_error``: raised to
+    the application as the driver raised them, the connection kept).
+
+    Any other error (the server or the network failed, an interrupt mid-statement) marks the
+    connection broken: :meth:`release` then closes it instead of pooling it, so a connection
+    left inside a transaction, or half-read, never goes back to the pool.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        conn: Any,
+        answer: Callable[[Any], Any],
+        give_back: Callable[[Any, bool], None],
+        user_error: Callable[[BaseException], bool],
+    ) -> None:
+        self.driver, self.conn = driver, conn
+        self._answer, self._give_back, self._user_error = answer, give_back, user_error
+        self.broken = False
+
+    def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
+        """Run ``steps`` on the held connection; a driver error becomes StoreUnavailable
+        naming ``action``, except an error of the application's statement (``user``)."""
+        if self.conn is None:
+            raise StoreUnavailable(f"{action}: the connection was already given back")
+        try:
+            return drive(steps, self._answer)
+        except StoreUnavailable:
+            self.broken = True
+            raise
+        except self.driver.errors as exc:
+            if user and self._user_error(exc):
+                raise
+            self.broken = True
+            self.driver.backend.unavailable(exc, action)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def release(self, reuse: bool) -> None:
+        """Give the connection back (pooled if ``reuse`` and nothing broke it, else closed);
+        once."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self._give_back(conn, reuse and not self.broken)

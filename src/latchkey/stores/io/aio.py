@@ -184,3 +184,43 @@ class AsyncPool(Generic[C]):
         self._generation += 1
         for conn, _ in idle:
             await self._close(conn)
+
+
+class AsyncPinned:
+    """:class:`latchkey.stores.io.Pinned` for asyncio: one connection held across calls, each
+    request awaited (``answer``), each call bounded by the store's timeout; ``give_back`` is
+    a coroutine function."""
+
+    def __init__(
+        self,
+        driver: AsyncDriver,
+        conn: Any,
+        answer: Callable[[Any], Awaitable[Any]],
+        give_back: Callable[[Any, bool], Awaitable[None]],
+        user_error: Callable[[BaseException], bool],
+    ) -> None:
+        self.driver, self.conn = driver, conn
+        self._answer, self._give_back, self._user_error = answer, give_back, user_error
+        self.broken = False
+
+    async def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
+        if self.conn is None:
+            raise StoreUnavailable(f"{action}: the connection was already given back")
+        try:
+            return await bounded(adrive(steps, self._answer), self.driver.backend.timeout)
+        except StoreUnavailable:
+            self.broken = True
+            raise
+        except self.driver.errors as exc:
+            if user and self._user_error(exc):
+                raise
+            self.broken = True
+            self.driver.backend.unavailable(exc, action)
+        except BaseException:  # cancelled mid-statement: the protocol state is unknown
+            self.broken = True
+            raise
+
+    async def release(self, reuse: bool) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await asyncio.shield(self._give_back(conn, reuse and not self.broken))

@@ -33,8 +33,9 @@ from asyncmy.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, AsyncPool, adrive, bounded
+from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
 from latchkey.stores.mysql import REFUSED, Refused, connect_args
+from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -160,3 +161,43 @@ class AsyncmyDriver(AsyncDriver):
 
     async def aclose(self) -> None:
         await self.pool.close()
+
+    async def pin(self) -> AsyncPinned:
+        """The twin of ``PyMySQLDriver.pin``: one pooled connection held across calls."""
+        pool = self.pool
+        with self.backend.translate("connect", self.errors):
+            pooled = await pool.get(self.backend.timeout)
+
+        async def answer(request: Any) -> Any:
+            if type(request) is Statement:
+                return await statement(pooled.cur, request)
+            return await pooled.answer(request)
+
+        async def give_back(pooled: Connection, reuse: bool) -> None:
+            await (pool.put if reuse else pool.discard)(pooled)
+
+        return AsyncPinned(self, pooled, answer, give_back, user_error)
+
+
+async def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
+    await cur.execute(request.sql, request.params)
+    columns = [column[0] for column in cur.description] if cur.description else None
+    rows = list(await cur.fetchall()) if columns is not None else []
+    while await cur.nextset():
+        pass
+    return columns, rows
+
+
+def user_error(exc: BaseException) -> bool:
+    """As ``pymysql.user_error``: the application's statement failed, the connection is sound."""
+    errors = asyncmy.errors
+    if isinstance(exc, errors.OperationalError) and exc.args:
+        return exc.args[0] in (1205, 1213)
+    return isinstance(
+        exc,
+        errors.ProgrammingError
+        | errors.IntegrityError
+        | errors.DataError
+        | errors.NotSupportedError
+        | Refused,
+    )

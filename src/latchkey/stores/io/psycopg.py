@@ -51,7 +51,8 @@ from latchkey._types import Busy, Grant
 from latchkey._url import Option, StoreURL, choice
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
-from latchkey.stores.io import Driver, Pool, Steps, after_fork, drive
+from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive
+from latchkey.stores.rows_sql import Statement
 from latchkey.stores.sql import Query
 
 if TYPE_CHECKING:
@@ -666,6 +667,59 @@ class PsycopgDriver(Driver):
         self.listener.close()
         self.pool.close()
 
+    def pin(self) -> Pinned:
+        """A pooled connection held for a take (see :func:`pin_link`)."""
+        return pin_link(self)
+
 
 def _close(link: Link) -> None:
     link.close()
+
+
+# -- a connection held for a rows.take ---------------------------------------------------------
+
+
+def pin_link(driver: PsycopgDriver) -> Pinned:
+    """One pooled :class:`Link` held across calls (a take's transaction): it answers
+    ``Statement`` requests through a plain psycopg cursor (``%s`` placeholders, the
+    application's style), and the rest as the link does. Given back to the pool only if idle
+    and sound."""
+    pool = driver.pool
+    with driver.backend.translate("connect", driver.errors):
+        link = pool.get(driver.timeout)
+
+    def answer(request: Any) -> Any:
+        if type(request) is not Statement:
+            return link.answer(request)
+        try:
+            return statement(link, request)
+        except MISSING:  # the lease table, on first use (never inside a take's transaction)
+            assert link.conn is not None
+            if link.conn.pgconn.transaction_status != IDLE:
+                raise
+            drive(driver.store.create(), link._answer)
+            return statement(link, request)
+
+    def give_back(link: Link, reuse: bool) -> None:
+        (pool.put if reuse and link.usable() else pool.discard)(link)
+
+    return Pinned(driver, link, answer, give_back, user_error)
+
+
+def statement(link: Link, request: Statement) -> tuple[list[str] | None, list[Any]]:
+    assert link.conn is not None
+    cur = link.conn.cursor()
+    cur.execute(request.sql, request.params)  # params None: sent as is
+    if cur.description is None:
+        return None, []
+    return [column.name for column in cur.description], cur.fetchall()
+
+
+def user_error(exc: BaseException) -> bool:
+    """An application statement's own error (bad SQL, a constraint, a deadlock it lost), not
+    the server or the network failing."""
+    if isinstance(exc, psycopg.errors.DeadlockDetected):
+        return True
+    return isinstance(exc, psycopg.Error) and not isinstance(
+        exc, psycopg.OperationalError | psycopg.InterfaceError
+    )

@@ -33,7 +33,7 @@ from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, AsyncPool, adrive, bounded
+from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     DRIVER_ERRORS,
@@ -47,7 +47,9 @@ from latchkey.stores.io.psycopg import (
     handoff_grant,
     input_waiting,
     result_error,
+    user_error,
 )
+from latchkey.stores.rows_sql import Statement
 from latchkey.stores.sql import Query
 
 if TYPE_CHECKING:
@@ -503,6 +505,10 @@ class AsyncPsycopgDriver(AsyncDriver):
         await self.listener.close()
         await self.pool.close()
 
+    async def pin(self) -> AsyncPinned:
+        """A pooled connection held for a take (see :func:`apin_link`)."""
+        return await apin_link(self)
+
 
 async def _alive(link: AsyncLink) -> bool:
     return link.alive()
@@ -510,3 +516,43 @@ async def _alive(link: AsyncLink) -> bool:
 
 async def _close(link: AsyncLink) -> None:
     await link.discard()
+
+
+# -- a connection held for a rows.take ---------------------------------------------------------
+
+
+async def apin_link(driver: AsyncPsycopgDriver) -> AsyncPinned:
+    """The twin of :func:`latchkey.stores.io.psycopg.pin_link`: one pooled
+    :class:`AsyncLink` held across calls, ``Statement`` requests through a plain psycopg
+    cursor."""
+    pool = driver.pool
+    with driver.backend.translate("connect", driver.errors):
+        async with driver.turns:
+            link = await pool.get(driver.timeout)
+
+    async def answer(request: Any) -> Any:
+        if type(request) is not Statement:
+            return await link.answer(request)
+        try:
+            return await astatement(link, request)
+        except MISSING:  # the lease table, on first use (never inside a take's transaction)
+            assert link.conn is not None
+            if link.conn.pgconn.transaction_status != IDLE:
+                raise
+            await adrive(driver.store.create(), link._answer)
+            return await astatement(link, request)
+
+    async def give_back(link: AsyncLink, reuse: bool) -> None:
+        await (pool.put if reuse and link.usable() else pool.discard)(link)
+
+    return AsyncPinned(driver, link, answer, give_back, user_error)
+
+
+async def astatement(link: AsyncLink, request: Statement) -> tuple[list[str] | None, list[Any]]:
+    conn = link.conn
+    assert conn is not None
+    cur = conn.cursor()
+    await cur.execute(request.sql, request.params)  # params None: sent as is
+    if cur.description is None:
+        return None, []
+    return [column.name for column in cur.description], await cur.fetchall()

@@ -40,8 +40,9 @@ import pymysql
 from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
-from latchkey.stores.io import Driver, Pool, Steps, drive
+from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.mysql import REFUSED, Refused
+from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -196,3 +197,46 @@ class PyMySQLDriver(Driver):
 
     def close(self) -> None:
         self.pool.close()
+
+    def pin(self) -> Pinned:
+        """One pooled connection held across calls (a take's transaction): ``Statement``
+        requests run on its cursor (``%s``, the application's style); given back if sound."""
+        pool = self.pool
+        with self.backend.translate("connect", self.errors):
+            pooled = pool.get()
+
+        def answer(request: Any) -> Any:
+            if type(request) is Statement:
+                return statement(pooled.cur, request)
+            return pooled.answer(request)
+
+        def give_back(pooled: Connection, reuse: bool) -> None:
+            (pool.put if reuse else pool.discard)(pooled)
+
+        return Pinned(self, pooled, answer, give_back, user_error)
+
+
+def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
+    """The application's statement (``params`` None: sent as is): its columns and rows."""
+    cur.execute(request.sql, request.params)
+    columns = [column[0] for column in cur.description] if cur.description else None
+    rows = list(cur.fetchall()) if columns is not None else []
+    while cur.nextset():
+        pass
+    return columns, rows
+
+
+#: Server errors that are the application's statement failing (the transaction is rolled
+#: back by the caller; the connection is sound): SQL, data, constraints, a lost deadlock.
+USER_ERRORS = (
+    pymysql.err.ProgrammingError,
+    pymysql.err.IntegrityError,
+    pymysql.err.DataError,
+    pymysql.err.NotSupportedError,
+)
+
+
+def user_error(exc: BaseException) -> bool:
+    if isinstance(exc, pymysql.err.OperationalError) and exc.args:
+        return exc.args[0] in (1205, 1213)  # lock wait timeout, deadlock
+    return isinstance(exc, (*USER_ERRORS, Refused))

@@ -22,8 +22,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from latchkey.stores.io import Driver, Steps, drive
-from latchkey.stores.io.aio import AsyncDriver
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
+from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, adrive
+from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -39,10 +41,18 @@ class SQLiteDriver(Driver):
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._mutex = threading.RLock()
+        #: Connections of their own for takes (rows.take): a take's write transaction must
+        #: not hold the shared connection, nor share it with another thread's primitives.
+        self._pins: Pool[sqlite3.Connection] = Pool(self._open, _close, size=PIN_POOL_SIZE)
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is not None and self._pid == os.getpid():
             return self._conn
+        conn = self._open()
+        self._conn, self._pid = conn, os.getpid()
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
         store = self.store
         conn = sqlite3.connect(
             store.path, timeout=store.timeout, isolation_level=None, check_same_thread=False
@@ -54,7 +64,6 @@ class SQLiteDriver(Driver):
         except BaseException:
             conn.close()
             raise
-        self._conn, self._pid = conn, os.getpid()
         return conn
 
     def answer(self, request: Any) -> Any:
@@ -74,15 +83,29 @@ class SQLiteDriver(Driver):
             except self.errors as exc:
                 self.backend.unavailable(exc, action)
 
+    def pin(self) -> Pinned:
+        """A connection of its own for a take's transaction (see :class:`Pinned`)."""
+        pins = self._pins
+        with self.backend.translate("connect", self.errors):
+            conn = pins.get(self.store.timeout)
+
+        def give_back(conn: sqlite3.Connection, reuse: bool) -> None:
+            (pins.put if reuse and not conn.in_transaction else pins.discard)(conn)
+
+        return Pinned(self, conn, lambda request: answer_on(conn, request), give_back, user_error)
+
     def close(self) -> None:
         with self._mutex:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
+        self._pins.close()
 
 
 class AsyncSQLiteDriver(AsyncDriver):
     """Runs each primitive with a :class:`SQLiteDriver` on one worker thread of its own."""
+
+    errors = (sqlite3.Error, OSError, asyncio.TimeoutError)
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
@@ -97,6 +120,22 @@ class AsyncSQLiteDriver(AsyncDriver):
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="latchkey-sqlite")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._sync.run, steps, action)
+
+    async def pin(self) -> AsyncPinned:
+        """A take's connection (the sync driver's), its statements run on a worker thread of
+        the loop's default executor: never on this driver's one thread, where another
+        primitive may be waiting for the take's write lock to end."""
+        loop = asyncio.get_running_loop()
+        pinned = await loop.run_in_executor(None, self._sync.pin)
+
+        async def answer(request: Any) -> Any:
+            return await loop.run_in_executor(None, answer_on, pinned.conn, request)
+
+        async def give_back(conn: Any, reuse: bool) -> None:
+            pinned.broken = not reuse
+            await loop.run_in_executor(None, pinned.release, reuse)
+
+        return ThreadPinned(self, pinned.conn, answer, give_back, user_error)
 
     async def aclose(self) -> None:
         if self._thread is not None:
@@ -118,3 +157,53 @@ def _set_wal(conn: sqlite3.Connection, timeout: float) -> None:
             if "locked" not in str(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+#: Take connections one SQLite backend keeps (takes beyond that wait for one).
+PIN_POOL_SIZE = 8
+
+
+def _close(conn: sqlite3.Connection) -> None:
+    conn.close()
+
+
+def answer_on(conn: sqlite3.Connection, request: Any) -> Any:
+    """One request on ``conn``: a Query (``(rows, rowcount)``) or a Statement (``(columns,
+    rows)``)."""
+    if type(request) is Statement:
+        cur = conn.execute(request.sql, () if request.params is None else request.params)
+        columns = [column[0] for column in cur.description] if cur.description else None
+        return columns, cur.fetchall()
+    sql, params, many = request
+    if many:
+        return [], conn.executemany(sql, params).rowcount
+    cur = conn.execute(sql, params)
+    return cur.fetchall(), cur.rowcount
+
+
+def user_error(exc: BaseException) -> bool:
+    """An application statement's own error (bad SQL, a constraint), not a busy database."""
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.Error) and "locked" not in text and "busy" not in text
+
+
+class ThreadPinned(AsyncPinned):
+    """A take's SQLite connection for asyncio: every call is one hop to a worker thread, and
+    SQLite's own busy timeout bounds it (no second deadline around it)."""
+
+    async def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
+        if self.conn is None:
+            raise StoreUnavailable(f"{action}: the connection was already given back")
+        try:
+            return await adrive(steps, self._answer)
+        except StoreUnavailable:
+            self.broken = True
+            raise
+        except self.driver.errors as exc:
+            if user and self._user_error(exc):
+                raise
+            self.broken = True
+            self.driver.backend.unavailable(exc, action)
+        except BaseException:
+            self.broken = True
+            raise

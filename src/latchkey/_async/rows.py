@@ -1,0 +1,117 @@
+"""AsyncRows, AsyncTakeBatch and AsyncLeaseBatch: the asyncio shell over the row-claiming
+rules (:mod:`latchkey._core.rows`), the twins of :mod:`latchkey._rows`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from latchkey._async._run import arun
+from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
+from latchkey._core.store import DEFAULT_TTL
+from latchkey._durations import Duration
+
+if TYPE_CHECKING:
+    from latchkey._async.store import AsyncStore
+
+
+class AsyncRows(RowsCore):
+    """:class:`latchkey.Rows` for asyncio: ``async with rows.take(…) as batch``,
+    ``async with rows.lease(…) as batch``. ``where`` and ``order_by`` must never come from
+    end users.
+
+    .. versionadded:: 0.2
+    """
+
+    store: AsyncStore
+
+    def __init__(
+        self,
+        store: AsyncStore,
+        table: str,
+        key: str = "id",
+        where: str | None = None,
+        order_by: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(store, table, key, where, order_by, columns)
+
+    def take(self, limit: int = 1, wait: Duration = 0) -> AsyncTakeBatch:
+        """See :meth:`latchkey.Rows.take`."""
+        return AsyncTakeBatch(self, limit, wait)
+
+    def lease(
+        self,
+        limit: int = 1,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncLeaseBatch:
+        """See :meth:`latchkey.Rows.lease`."""
+        return AsyncLeaseBatch(self, limit, ttl, wait, metadata)
+
+
+class AsyncTakeBatch(TakeCore):
+    """:class:`latchkey.TakeBatch` for asyncio (``await batch.execute(…)``).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, rows: AsyncRows, limit: int, wait: Duration) -> None:
+        super().__init__(rows, limit, wait)
+        self.store = rows.store
+
+    async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """See :meth:`latchkey.TakeBatch.execute`."""
+        return await arun(self._execute(sql, params), self.store.backend)
+
+    async def __aenter__(self) -> AsyncTakeBatch:
+        await arun(self._begin(), self.store.backend)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await arun(self._end(exc_type is None), self.store.backend)
+
+
+class AsyncLeaseBatch(LeaseCore):
+    """:class:`latchkey.LeaseBatch` for asyncio (``await batch.done(row)``).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(
+        self,
+        rows: AsyncRows,
+        limit: int,
+        ttl: Duration,
+        wait: Duration,
+        metadata: Mapping[str, Any] | None,
+    ) -> None:
+        super().__init__(rows, limit, ttl, wait, metadata)
+        self.store = rows.store
+
+    async def done(self, row: Mapping[str, Any]) -> bool:
+        """See :meth:`latchkey.LeaseBatch.done`."""
+        return await arun(self._done(row), self.store.backend)
+
+    async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """See :meth:`latchkey.LeaseBatch.execute`."""
+        return await arun(self._execute(sql, params), self.store.backend)
+
+    async def __aenter__(self) -> AsyncLeaseBatch:
+        await arun(self._begin(), self.store.backend)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await arun(self._end(), self.store.backend)

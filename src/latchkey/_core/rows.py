@@ -1,0 +1,262 @@
+"""Row claiming in the application's own table (seed 002, DESIGN.md §7): the rules of
+:class:`latchkey.Rows` and its batches, for both APIs.
+
+- :class:`RowsCore`: which rows (``table``, ``key``, ``columns`` validated as identifiers
+  before any I/O; ``where``/``order_by`` kept as the application's SQL text), and that the
+  store can claim rows at all;
+- :class:`TakeCore`: a ``take`` batch — the store opens a transaction on a connection held for
+  the batch and locks the due rows (``FOR UPDATE SKIP LOCKED``); waiting polls with capped
+  backoff until a row is due or ``wait`` is over; the batch ends in COMMIT, or ROLLBACK when
+  the ``with`` body raised (the rows are due again at once);
+- :class:`LeaseCore`: a ``lease`` batch — leases on the due, unleased rows (lease names
+  ``<table>:<key>``, one owner for the batch, fenced like any lock), ``done(row)`` releases
+  one, the end of the batch releases every lease not done (on an exception too: the rows are
+  due again at once). A crashed worker's leases end by their TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from latchkey._core.lease import drift_margin
+from latchkey._core.ops import Steps, call, on, sleep
+from latchkey._core.waiting import CAP_POLLING, Backoff
+from latchkey._durations import Duration, parse_duration, parse_ttl
+from latchkey._owner import Owner, new_owner_token
+from latchkey._types import Grant, RowSpec
+from latchkey.errors import ConfigError, InvalidName, InvalidValue, Unsupported
+
+log = logging.getLogger("latchkey")
+
+#: An identifier: letters, digits, ``_``, not starting with a digit, at most 63 characters.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
+
+
+def identifier(value: object, what: str, *, dotted: bool = False) -> str:
+    """``value`` if it is an identifier (``schema.table`` too when ``dotted``), else
+    InvalidName naming it. Identifiers are quoted by the store, never escaped."""
+    if isinstance(value, str):
+        parts = value.split(".") if dotted else [value]
+        if len(parts) <= 2 and all(IDENTIFIER.match(part) for part in parts):
+            return value
+    shape = "[schema.]name" if dotted else "name"
+    raise InvalidName(
+        f"rows: {what} {value!r} is not an identifier ({shape}: letters, digits and _, not "
+        "starting with a digit, at most 63 characters)"
+    )
+
+
+def sql_text(value: object, what: str) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise InvalidValue(f"rows: {what} must be SQL text or None, got {value!r}")
+
+
+def check_limit(limit: object) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidValue(f"rows: limit must be an int of at least 1, got {limit!r}")
+    return limit
+
+
+def check_duration(value: Duration, what: str, *, ttl: bool = False) -> float:
+    try:
+        seconds = parse_ttl(value, what=what) if ttl else parse_duration(value, what=what)
+    except ConfigError as exc:
+        raise InvalidValue(f"rows: {exc}") from None
+    return seconds
+
+
+class RowsCore:
+    """Which rows of which table a queue claims. Not public: see :class:`latchkey.Rows`."""
+
+    def __init__(
+        self,
+        store: Any,
+        table: str,
+        key: str = "id",
+        where: str | None = None,
+        order_by: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        if not store.capabilities.rows:
+            raise Unsupported(
+                f"the {store.scheme} store ({store.url}) cannot claim rows: store.rows needs "
+                "the table in a SQL store's database (postgresql://, mysql://, sqlite://)"
+            )
+        if isinstance(columns, str):
+            raise InvalidName(f"rows: columns must be a sequence of names, got {columns!r}")
+        self.store = store
+        #: What is claimed: the validated identifiers and the application's SQL text.
+        self.spec = RowSpec(
+            identifier(table, "table", dotted=True),
+            identifier(key, "key"),
+            sql_text(where, "where"),
+            sql_text(order_by, "order_by"),
+            None if columns is None else tuple(identifier(c, "column") for c in columns),
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.spec.table} key={self.spec.key}>"
+
+
+class BatchCore:
+    """What both batches share: the rows (dicts, in the query's order), len and truth."""
+
+    rows: list[dict[str, Any]]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+
+def poll(first: Steps[Any], again: Any, wait: float, got: Any) -> Steps[Any]:
+    """Ask ``first`` (a step list that returns an answer); while ``got(answer)`` is false and
+    ``wait`` seconds have not passed, pause with capped backoff and ask ``again()``."""
+    deadline = time.monotonic() + wait
+    backoff = Backoff(cap=CAP_POLLING)
+    answer = yield from first
+    while not got(answer):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        yield sleep(min(backoff.next(), remaining))
+        answer = yield from again()
+    return answer
+
+
+class TakeCore(BatchCore):
+    """A take batch. Not public: see :class:`latchkey.TakeBatch`."""
+
+    def __init__(self, rows: RowsCore, limit: int, wait: Duration) -> None:
+        self.spec = rows.spec
+        self.limit = check_limit(limit)
+        self.wait = check_duration(wait, "wait")
+        self.rows = []
+        self._handle: Any = None
+
+    def _ask(self) -> Steps[Any]:
+        handle = yield call("rows_take", self.spec, self.limit)
+        if not handle.rows:  # nothing due: hold no transaction, no connection
+            yield on(handle, "finish", True)
+            return None
+        return handle
+
+    def _begin(self) -> Steps[None]:
+        if self._handle is not None:
+            raise InvalidValue("rows: this take batch is already open")
+        self._handle = yield from poll(self._ask(), self._ask, self.wait, bool)
+        self.rows = [] if self._handle is None else self._handle.rows
+
+    def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]:
+        if self._handle is None:
+            raise InvalidValue(
+                "rows: execute needs an open take batch with rows (an empty batch holds no "
+                "transaction)"
+            )
+        return (yield on(self._handle, "execute", sql, params))  # type: ignore[no-any-return]
+
+    def _end(self, commit: bool) -> Steps[None]:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        if commit:
+            yield on(handle, "finish", True)
+            return
+        try:
+            yield on(handle, "finish", False)
+        except Exception as exc:  # the body's error is the one to raise; the connection is gone
+            log.warning("rows: rollback of a take batch of %s failed: %s", self.spec.table, exc)
+
+    def __repr__(self) -> str:
+        state = "open" if self._handle is not None else "closed"
+        return f"<{type(self).__name__} {self.spec.table} rows={len(self.rows)} {state}>"
+
+
+class LeaseCore(BatchCore):
+    """A lease batch. Not public: see :class:`latchkey.LeaseBatch`."""
+
+    def __init__(
+        self,
+        rows: RowsCore,
+        limit: int,
+        ttl: Duration,
+        wait: Duration,
+        metadata: Mapping[str, Any] | None,
+    ) -> None:
+        self.spec = rows.spec
+        self.limit = check_limit(limit)
+        self.ttl = check_duration(ttl, "ttl", ttl=True)
+        self.wait = check_duration(wait, "wait")
+        self._metadata = dict(metadata or {})
+        self._owner = new_owner_token()
+        self.rows = []
+        self._grants: dict[str, Grant] = {}
+        self._held: set[str] = set()
+        self._deadline = 0.0
+
+    def name_of(self, row: Mapping[str, Any]) -> str:
+        """The lease name of a row: ``<table>:<key>``."""
+        return f"{self.spec.table}:{row[self.spec.key]}"
+
+    def _ask(self) -> Steps[Any]:
+        info = Owner.current(self._metadata).to_json()
+        self._sent = time.monotonic()
+        args = (self.spec, self._owner, info, self.ttl, self.limit)
+        return (yield call("rows_lease", *args))
+
+    def _begin(self) -> Steps[None]:
+        if self._held:
+            raise InvalidValue("rows: this lease batch is already open")
+        leased = yield from poll(self._ask(), self._ask, self.wait, bool)
+        self._deadline = self._sent + self.ttl - drift_margin(self.ttl)
+        self.rows = [row for row, _ in leased]
+        self._grants = {self.name_of(row): grant for row, grant in leased}
+        self._held = set(self._grants)
+
+    def token(self, row: Mapping[str, Any]) -> int:
+        """The fencing token of a leased row's lease."""
+        grant = self._grants.get(self.name_of(row))
+        if grant is None or grant.token is None:
+            raise InvalidValue(f"rows: {self.name_of(row)!r} is not a row of this batch")
+        return grant.token
+
+    def remaining(self) -> float:
+        """Seconds left before the batch's leases end, by our own clock (safe side)."""
+        return max(0.0, self._deadline - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        """True once the leases' TTL has passed: stop working on the batch."""
+        return time.monotonic() >= self._deadline
+
+    def _done(self, row: Mapping[str, Any]) -> Steps[bool]:
+        name = self.name_of(row)
+        if name not in self._held:
+            return False
+        self._held.discard(name)
+        return (yield call("release", name, self._owner))  # type: ignore[no-any-return]
+
+    def _end(self) -> Steps[int]:
+        names = sorted(self._held)
+        self._held.clear()
+        if not names:
+            return 0
+        return (yield call("release_many", names, self._owner))  # type: ignore[no-any-return]
+
+    def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]:
+        return (yield call("rows_execute", sql, params))  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.spec.table} rows={len(self.rows)} "
+            f"held={len(self._held)}>"
+        )

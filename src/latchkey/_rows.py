@@ -1,0 +1,130 @@
+"""Rows, TakeBatch and LeaseBatch: the sync shell over the row-claiming rules
+(:mod:`latchkey._core.rows`); the asyncio twin is :mod:`latchkey._async.rows`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
+from latchkey._core.store import DEFAULT_TTL
+from latchkey._durations import Duration
+from latchkey._run import run
+
+if TYPE_CHECKING:
+    from latchkey._store import Store
+
+
+class Rows(RowsCore):
+    """Rows of the application's own table, claimed by batches: made by
+    :meth:`latchkey.Store.rows` (SQL stores only: the table lives in the store's database).
+
+    ``table``, ``key`` and ``columns`` are identifiers (``InvalidName`` otherwise, before any
+    I/O). ``where`` and ``order_by`` are SQL text written by the application and sent as they
+    are: **they must never come from end users**.
+
+    .. versionadded:: 0.2
+    """
+
+    store: Store
+
+    def __init__(
+        self,
+        store: Store,
+        table: str,
+        key: str = "id",
+        where: str | None = None,
+        order_by: str | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(store, table, key, where, order_by, columns)
+
+    def take(self, limit: int = 1, wait: Duration = 0) -> TakeBatch:
+        """Up to ``limit`` due rows locked in one transaction, for a ``with`` block:
+        ``batch.execute`` runs statements in it; it commits at the end of the block, or rolls
+        back if the block raised (the rows are due again at once). ``wait``: how long to poll
+        for at least one due row (0: once)."""
+        return TakeBatch(self, limit, wait)
+
+    def lease(
+        self,
+        limit: int = 1,
+        ttl: Duration = DEFAULT_TTL,
+        wait: Duration = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> LeaseBatch:
+        """Up to ``limit`` due rows with no live lease, each leased for ``ttl`` (lease name
+        ``<table>:<key>``), for a ``with`` block; no transaction is held while it runs."""
+        return LeaseBatch(self, limit, ttl, wait, metadata)
+
+
+class TakeBatch(TakeCore):
+    """The rows a take locked (dicts, iterated in the query's order; ``len`` and truth work),
+    in one open transaction on one connection, until the ``with`` block ends.
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, rows: Rows, limit: int, wait: Duration) -> None:
+        super().__init__(rows, limit, wait)
+        self.store = rows.store
+
+    def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run a statement in the batch's transaction, in the driver's placeholder style
+        (psycopg and PyMySQL ``%s``, sqlite3 ``?``); the rows it produced (none: ``[]``). An
+        error of the statement is the driver's own exception."""
+        return run(self._execute(sql, params), self.store.backend)
+
+    def __enter__(self) -> TakeBatch:
+        run(self._begin(), self.store.backend)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        run(self._end(exc_type is None), self.store.backend)
+
+
+class LeaseBatch(LeaseCore):
+    """The rows a lease took (dicts; ``len`` and truth work), each under its own lease until
+    :meth:`done` or the end of the ``with`` block, which releases every lease not done (also
+    when the block raised: the rows are due again at once).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(
+        self,
+        rows: Rows,
+        limit: int,
+        ttl: Duration,
+        wait: Duration,
+        metadata: Mapping[str, Any] | None,
+    ) -> None:
+        super().__init__(rows, limit, ttl, wait, metadata)
+        self.store = rows.store
+
+    def done(self, row: Mapping[str, Any]) -> bool:
+        """Release this row's lease now; True if it was still ours and live."""
+        return run(self._done(row), self.store.backend)
+
+    def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run a statement in a short transaction of its own (autocommit), in the driver's
+        placeholder style; the rows it produced (none: ``[]``)."""
+        return run(self._execute(sql, params), self.store.backend)
+
+    def __enter__(self) -> LeaseBatch:
+        run(self._begin(), self.store.backend)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        run(self._end(), self.store.backend)

@@ -1,0 +1,318 @@
+"""Row claiming in the application's own table (``store.rows``), written once for SQLite,
+PostgreSQL and MySQL/MariaDB.
+
+Two ways to claim rows (DESIGN.md §7):
+
+- *take*: one transaction on one connection held for the whole batch (a
+  :class:`~latchkey.stores.io.Pinned` connection); the due rows are selected ``FOR UPDATE
+  SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``, which serialises writers), the
+  application's statements run in that transaction, and the batch ends in COMMIT or ROLLBACK;
+- *lease*: the due rows that have no live lease in latchkey's lease table get one, named
+  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock); the
+  rows are then read again, and those no longer due (another worker finished them between
+  our two reads) are released at once. No transaction stays open while the work runs.
+
+:class:`RowClaims` holds the control flow once; a dialect (:data:`POSTGRESQL`, :data:`MYSQL`,
+:data:`SQLITE`) supplies the spelling: identifier quoting, the placeholder, how a transaction
+starts, the locking clause, and how the lease name of a row is written in SQL (the key's text
+form, as Python's ``str()`` writes it for integers and text).
+
+The application's statements (and ours that need column names back) are :class:`Statement`
+requests, in the driver's own placeholder style; a driver answers ``(columns, rows)``, with
+``columns`` None for a statement that returns no rows. ``where`` and ``order_by`` are SQL text
+from the application, spliced in as given: they must never come from end users (the docs say
+so). ``table``, ``key`` and ``columns`` are identifiers, validated by the core and quoted here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+from latchkey._types import Grant, RowSpec
+from latchkey.errors import Unsupported
+from latchkey.stores.io import Steps
+from latchkey.stores.sql import Query
+
+if TYPE_CHECKING:
+    from latchkey.stores.io import Pinned
+    from latchkey.stores.io.aio import AsyncPinned
+
+
+class Statement(NamedTuple):
+    """A statement in the driver's own placeholder style (psycopg and PyMySQL ``%s``, sqlite3
+    ``?``); ``params`` None: the text is sent as it is (no placeholder processing, so a ``%``
+    in ``where`` needs no escaping). Answered ``(columns or None, rows)``."""
+
+    sql: str
+    params: Any = None
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """How one SQL dialect spells the row-claiming statements."""
+
+    quote: str
+    """Encloses an identifier (the core allows only letters, digits and ``_``: no escaping)."""
+    BEGIN: str
+    """Starts a take's transaction."""
+    LOCKING: str
+    """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
+    LEASE_NAME: str
+    """A row's lease name as the lease table stores it, from ``{prefix}`` (the parameter
+    holding ``'<table>:'``) and ``{key}`` (the quoted key column of row alias ``r``)."""
+    LIVE: str
+    """True for a live lease row ``l``."""
+    PARAM: str
+    """The driver's placeholder."""
+
+
+#: PostgreSQL: names are bytea (the UTF-8 bytes), ``key::text`` is the key's text form.
+POSTGRESQL = Dialect(
+    quote='"',
+    BEGIN="BEGIN",
+    LOCKING="FOR UPDATE SKIP LOCKED",
+    LEASE_NAME="convert_to({prefix} || r.{key}::text, 'UTF8')",
+    LIVE="l.expires_at > now()",
+    PARAM="%s",
+)
+#: MySQL 8 / MariaDB ≥ 10.6: names are VARBINARY (the UTF-8 bytes of the connection's utf8mb4).
+MYSQL = Dialect(
+    quote="`",
+    BEGIN="START TRANSACTION",
+    LOCKING="FOR UPDATE SKIP LOCKED",
+    LEASE_NAME="CAST(CONCAT({prefix}, r.{key}) AS BINARY)",
+    LIVE="l.expires_at > UTC_TIMESTAMP(6)",
+    PARAM="%s",
+)
+#: SQLite: BEGIN IMMEDIATE takes the database's write lock, so no row lock is needed; names
+#: are BLOBs of UTF-8, times integer milliseconds.
+SQLITE = Dialect(
+    quote='"',
+    BEGIN="BEGIN IMMEDIATE",
+    LOCKING="",
+    LEASE_NAME="CAST({prefix} || r.{key} AS BLOB)",
+    LIVE="l.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    PARAM="?",
+)
+
+#: The server version string's numbers (MariaDB 10.x may prefix '5.5.5-').
+_VERSION = re.compile(r"(?:5\.5\.5-)?(\d+)\.(\d+)\.(\d+)")
+
+
+def skip_locked_supported(server_version: str) -> bool:
+    """Whether a MySQL or MariaDB server (its ``VERSION()`` text) has ``SKIP LOCKED``:
+    MySQL ≥ 8.0.1, MariaDB ≥ 10.6."""
+    match = _VERSION.match(server_version.strip())
+    if match is None:
+        return False
+    version = tuple(int(part) for part in match.groups())
+    if "mariadb" in server_version.lower():
+        return version >= (10, 6, 0)
+    return version >= (8, 0, 1)
+
+
+@dataclass(frozen=True)
+class RowState:
+    """One row as ``latchkey rows`` shows it: its key, and whether it is leased (by whom,
+    until when) or locked by a take's transaction right now."""
+
+    key: Any
+    lease_owner: str | None = None
+    lease_token: int | None = None
+    lease_until: datetime | None = None
+    locked: bool | None = None
+    """None where the store cannot tell (SQLite: a take holds the whole database)."""
+
+
+class RowClaims:
+    """The row-claiming primitives of a SQL lease-table store, as generators (mixed into
+    ``SQLite``, ``PostgreSQL`` and ``MySQL``; ``ROWS`` is the dialect)."""
+
+    ROWS: ClassVar[Dialect]
+    scheme: ClassVar[str]
+    table: str
+
+    def lease_table(self) -> str:
+        """The lease table, as a statement names it."""
+        schema = getattr(self, "schema", None)
+        q = self.ROWS.quote
+        return f"{q}{schema}{q}.{q}{self.table}{q}" if schema else f"{q}{self.table}{q}"
+
+    def rows_select(self, spec: RowSpec, limit: int, lock: str, lease: str | None) -> str:
+        """The due rows of ``spec`` in its order, at most ``limit``. ``lease``: None (any
+        row), ``""`` (rows with no live lease) or an owner token (rows it holds a live lease
+        on). No parameters: the limit is an int, the lease-name prefix (the table, an
+        identifier) and the owner (hex) are spliced as literals, so a ``%`` in ``where``
+        needs no escaping whatever the driver."""
+        d = self.ROWS
+        q = d.quote
+        table = ".".join(f"{q}{part}{q}" for part in spec.table.split("."))
+        if spec.columns is None:
+            columns = "r.*"
+        else:
+            names = (spec.key, *(c for c in spec.columns if c != spec.key))
+            columns = ", ".join(f"r.{q}{name}{q}" for name in names)
+        sql = f"SELECT {columns} FROM {table} AS r"
+        conditions = [f"({spec.where})"] if spec.where else []
+        if lease is not None:
+            assert re.fullmatch(r"[0-9a-f]*", lease) and re.fullmatch(r"[\w.]+", spec.table)
+            name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=f"{q}{spec.key}{q}")
+            live = f"SELECT 1 FROM {self.lease_table()} AS l WHERE l.name = {name} AND {d.LIVE}"
+            if lease:
+                conditions.append(f"EXISTS ({live} AND l.owner = '{lease}')")
+            else:
+                conditions.append(f"NOT EXISTS ({live})")
+        if conditions:
+            sql += " WHERE " + " AND ".join(conditions)
+        if spec.order_by:
+            sql += f" ORDER BY {spec.order_by}"
+        sql += f" LIMIT {int(limit)}"
+        return f"{sql} {lock}" if lock else sql
+
+    def check_skip_locked(self) -> Steps[None]:
+        """MySQL/MariaDB: refuse a take on a server without SKIP LOCKED (asked once)."""
+        if self.ROWS is not MYSQL:
+            return
+        known: bool | None = getattr(self, "_skip_locked", None)
+        if known is None:
+            rows, _ = yield Query("SELECT VERSION()")
+            version = str(rows[0][0])
+            known = skip_locked_supported(version)
+            self._skip_locked, self._server_version = known, version
+        if not known:
+            raise Unsupported(
+                f"{self.scheme} store: take needs SELECT … FOR UPDATE SKIP LOCKED, which this "
+                f"server ({self._server_version}) lacks (MySQL ≥ 8.0.1, MariaDB ≥ 10.6); "
+                "rows.lease works here"
+            )
+
+    # -- take: on a pinned connection ------------------------------------------------------
+
+    def rows_take(self, spec: RowSpec, limit: int) -> Steps[list[dict[str, Any]]]:
+        """Start the take's transaction and lock the due rows (run on a pinned connection;
+        the transaction stays open: :meth:`rows_end` ends it)."""
+        yield from self.check_skip_locked()
+        yield Query(self.ROWS.BEGIN)
+        select = self.rows_select(spec, limit, self.ROWS.LOCKING, None)
+        columns, rows = yield Statement(select)
+        return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    def rows_end(self, commit: bool) -> Steps[None]:
+        """COMMIT or ROLLBACK the take's transaction."""
+        yield Query("COMMIT" if commit else "ROLLBACK")
+
+    def rows_execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]:
+        """The application's statement; the rows it produced (none: [])."""
+        _, rows = yield Statement(sql, params)
+        return [tuple(row) for row in rows]
+
+    # -- lease -------------------------------------------------------------------------------
+
+    def rows_lease(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
+        """Lease up to ``limit`` due rows with no live lease: read them, claim their names
+        (the dialect's batch claim: one atomic transaction, fenced), read the rows we now
+        hold again and give back those no longer due (finished by another worker between
+        the two reads). Autocommit statements: each sees what others committed before it."""
+        prefix = f"{spec.table}:"
+        columns, rows = yield Statement(self.rows_select(spec, limit, "", ""))
+        if not rows:
+            return []
+        candidates = [dict(zip(columns, row, strict=True)) for row in rows]
+        names = [f"{prefix}{row[spec.key]}" for row in candidates]
+        claim = self.claim(names, owner, owner_info, ttl)  # type: ignore[attr-defined]
+        grants: dict[str, Grant] = yield from claim
+        if not grants:
+            return []
+        columns, rows = yield Statement(self.rows_select(spec, len(grants), "", owner))
+        due = {f"{prefix}{row[spec.key]}": row for row in
+               (dict(zip(columns, r, strict=True)) for r in rows)}  # fmt: skip
+        gone = [name for name in grants if name not in due]
+        if gone:
+            yield from self.release_many(gone, owner)  # type: ignore[attr-defined]
+        return [(due[name], grants[name]) for name in names if name in grants and name in due]
+
+    # -- status (the CLI) ----------------------------------------------------------------------
+
+    def rows_status(self, spec: RowSpec, limit: int) -> Steps[list[RowState]]:
+        """Up to ``limit`` due rows with their lease (if live) and whether a take's
+        transaction locks them now: found by locking what is free in a transaction rolled
+        back at once (PostgreSQL, MySQL). SQLite cannot tell (None)."""
+        d = self.ROWS
+        key_only = RowSpec(spec.table, spec.key, spec.where, spec.order_by, (spec.key,))
+        _, rows = yield Statement(self.rows_select(key_only, limit, "", None))
+        keys = [row[0] for row in rows]
+        if not keys:
+            return []
+        names = [f"{spec.table}:{key}".encode() for key in keys]
+        marks = ", ".join([d.PARAM] * len(names))
+        lease_sql = (
+            f"SELECT l.name, l.owner_info, l.token, l.expires_at FROM {self.lease_table()} AS l "
+            f"WHERE l.name IN ({marks}) AND {d.LIVE}"
+        )
+        _, leases = yield Statement(lease_sql, tuple(names))
+        leased = {bytes(row[0]).decode(): row for row in leases}
+        free: set[str] | None = None
+        if d.LOCKING:
+            yield Query(d.BEGIN)
+            try:
+                select = self.rows_select(key_only, limit, d.LOCKING, None)
+                _, lockable = yield Statement(select)
+                free = {str(row[0]) for row in lockable}
+            finally:
+                yield Query("ROLLBACK")
+        states = []
+        for key in keys:
+            lease = leased.get(f"{spec.table}:{key}")
+            states.append(
+                RowState(
+                    key=key,
+                    lease_owner=lease[1] if lease else None,
+                    lease_token=int(lease[2]) if lease else None,
+                    lease_until=self.time(lease[3]) if lease else None,  # type: ignore[attr-defined]
+                    locked=None if free is None else str(key) not in free,
+                )
+            )
+        return states
+
+
+class Taken:
+    """A take's open transaction on its pinned connection: the rows it locked, the
+    application's statements, and its end (COMMIT or ROLLBACK, then the connection goes back
+    to the pool, or is closed if its state is unknown)."""
+
+    def __init__(self, pin: Pinned, store: RowClaims, rows: list[dict[str, Any]]) -> None:
+        self.pin, self.store, self.rows = pin, store, rows
+
+    def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        return self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
+
+    def finish(self, commit: bool) -> None:
+        ok = False
+        try:
+            self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
+            ok = True
+        finally:
+            self.pin.release(ok)
+
+
+class AsyncTaken:
+    """:class:`Taken` for asyncio: the same steps, awaited."""
+
+    def __init__(self, pin: AsyncPinned, store: RowClaims, rows: list[dict[str, Any]]) -> None:
+        self.pin, self.store, self.rows = pin, store, rows
+
+    async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        return await self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
+
+    async def finish(self, commit: bool) -> None:
+        ok = False
+        try:
+            await self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
+            ok = True
+        finally:
+            await self.pin.release(ok)
