@@ -60,14 +60,16 @@ for path in (str(HERE), str(HERE.parent)):
 
 import servers  # noqa: E402
 
+DASH = "\u2013"
 SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10"]
 LATCHKEY_SUBJECTS = {"take1", "take10", "lease10"}
 STORES = ["postgresql", "mysql", "sqlite"]
 LEASE_TTL = {"normal": "30s", "kill": "2s"}
 #: Bounds: a daemon gives up after this many seconds or loop turns; the parent waits this long
 #: for the barrier and for the whole subject.
-DAEMON_SECONDS, DAEMON_TURNS = 240.0, 200_000
-BARRIER_SECONDS, SUBJECT_SECONDS = 180.0, 300.0
+#: (MariaDB's innodb_lock_wait_timeout is 50 s: a daemon blocked at its deadline still ends.)
+DAEMON_SECONDS, DAEMON_TURNS = 120.0, 200_000
+BARRIER_SECONDS, SUBJECT_SECONDS = 180.0, 200.0
 #: A daemon that sees an empty batch while due rows remain (locked or leased elsewhere) sleeps
 #: this long before it looks again.
 IDLE_SLEEP = 0.02
@@ -160,10 +162,7 @@ def create_tables(raw: Raw, tag: str, rows: int) -> None:
     raw.run(f"CREATE INDEX {ev}_due ON {ev} (processed_at, id)")
     values = [(i, f"event {i}") for i in range(1, rows + 1)]
     raw.begin()
-    if raw.store == "mysql":
-        with raw.conn.cursor() as cur:
-            cur.executemany(f"INSERT INTO {ev} (id, payload) VALUES (%s, %s)", values)
-    elif raw.store == "postgresql":
+    if raw.store in ("mysql", "postgresql"):
         with raw.conn.cursor() as cur:
             cur.executemany(f"INSERT INTO {ev} (id, payload) VALUES (%s, %s)", values)
     else:
@@ -179,10 +178,14 @@ def count(raw: Raw, tag: str, rows: int) -> dict[str, int]:
     return {
         "records": one(f"SELECT count(*) FROM {pr}"),
         "distinct": one(f"SELECT count(DISTINCT event_id) FROM {pr}"),
-        "doubles": one(f"SELECT count(*) FROM (SELECT event_id FROM {pr} GROUP BY event_id"
-                       " HAVING count(*) > 1) d"),  # fmt: skip
-        "lost": one(f"SELECT count(*) FROM {ev} e WHERE NOT EXISTS"
-                    f" (SELECT 1 FROM {pr} p WHERE p.event_id = e.id)"),  # fmt: skip
+        "doubles": one(
+            f"SELECT count(*) FROM (SELECT event_id FROM {pr} GROUP BY event_id"
+            " HAVING count(*) > 1) d"
+        ),
+        "lost": one(
+            f"SELECT count(*) FROM {ev} e WHERE NOT EXISTS"
+            f" (SELECT 1 FROM {pr} p WHERE p.event_id = e.id)"
+        ),
         "unmarked": one(f"SELECT count(*) FROM {ev} WHERE processed_at IS NULL"),
         "rows": rows,
     }
@@ -196,7 +199,8 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
     store, subject, tag = cfg["store"], cfg["subject"], cfg["tag"]
     ev, pr, now = f"ev_{tag}", f"pr_{tag}", NOW[store]
     out: dict[str, Any] = {"index": index, "pid": os.getpid(), "rows": 0, "batches": 0,
-                           "errors": 0, "first_error": None, "guard": 0, "status": "started"}  # fmt: skip
+                           "errors": 0, "first_error": None, "guard": 0, "empty": 0,
+                           "status": "started"}  # fmt: skip
     handled = 0  # rows whose statements were sent (for the kill point)
 
     def maybe_die() -> None:
@@ -232,9 +236,7 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
 
     # In the driver's own placeholder style: batch.execute passes them on as they are.
     update = f"UPDATE {ev} SET processed_at = {now} WHERE id = %s".replace("%s", PH[store])
-    record = f"INSERT INTO {pr} (event_id, pid, token) VALUES (%s, %s, %s)".replace(
-        "%s", PH[store]
-    )
+    record = f"INSERT INTO {pr} (event_id, pid, token) VALUES (%s, %s, %s)".replace("%s", PH[store])
     due = f"SELECT id FROM {ev} WHERE processed_at IS NULL ORDER BY id LIMIT 1"
     deadline = time.monotonic() + DAEMON_SECONDS
     pid = os.getpid()
@@ -312,6 +314,7 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                 if not found:
                     out["status"] = "done"
                     break
+                out["empty"] += 1  # nothing for us, yet rows are due (held by others)
                 time.sleep(IDLE_SLEEP)
         else:
             out["status"] = "too many turns"
@@ -397,6 +400,10 @@ def run_subject(
     if errs:
         cell["first_error"] = errs[0]
     cell["guard"] = sum(r["guard"] for r in reports)
+    cell["empty"] = sum(r.get("empty", 0) for r in reports)
+    finished = [r["rows"] for r in reports if "end" in r]
+    if finished:  # how evenly the work spread: the fewest and most rows one daemon did
+        cell["per_daemon"] = [min(finished), max(finished)]
     if any(s not in ("done",) for s in statuses) and "failed" not in cell:
         bad = {s: n for s, n in statuses.items() if s != "done"}
         cell["failed"] = f"daemons ended {bad}"
@@ -424,6 +431,8 @@ def table(results: dict[str, Any]) -> str:
             notes.append(f"ttl {cell['ttl']}")
         if cell.get("errors"):
             notes.append(f"{cell['errors']} retried errors")
+        if cell.get("empty"):
+            notes.append(f"{cell['empty']} empty batches while rows were due")
         if cell.get("guard"):
             notes.append(f"{cell['guard']} rows already done when leased")
         if cell.get("records", 0) != cell.get("distinct", 0):
@@ -432,11 +441,14 @@ def table(results: dict[str, Any]) -> str:
             notes.append(f"FAILED: {cell['failed']}")
             if cell.get("first_error"):
                 notes.append(cell["first_error"][:120])
-        rate = f"{cell['rows_per_s']:,.0f}" if cell.get("rows_per_s") else "–"
-        wall = f"{cell['wall_s']:.1f} s" if cell.get("wall_s") else "–"
+        if cell.get("per_daemon"):
+            low, high = cell["per_daemon"]
+            notes.append(f"rows per daemon {low}{DASH}{high}")
+        rate = f"{cell['rows_per_s']:,.0f}" if cell.get("rows_per_s") else DASH
+        wall = f"{cell['wall_s']:.1f} s" if cell.get("wall_s") else DASH
         lines.append(
             f"| {cell['store']} | {cell['subject']} | {cell['round']} | {cell['daemons']} |"
-            f" {rate} | {cell.get('doubles', '–')} | {cell.get('lost', '–')} | {wall} |"
+            f" {rate} | {cell.get('doubles', DASH)} | {cell.get('lost', DASH)} | {wall} |"
             f" {'; '.join(notes)} |"
         )
     return "\n".join(lines)
@@ -451,6 +463,8 @@ def main() -> None:
     parser.add_argument("--sqlite-daemons", type=int, default=8)
     parser.add_argument("--rows", type=int, default=3000)
     parser.add_argument("--kill-fraction", type=float, default=0.1)
+    parser.add_argument("--innodb-deadlock-detect", choices=["on", "off"], default="on",
+                        help="MariaDB's setting (default on, as shipped)")  # fmt: skip
     parser.add_argument("--out")
     parser.add_argument("--report")
     args = parser.parse_args()
@@ -470,18 +484,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="latchkey-queue-") as tmp:
         env, running = servers.start([s for s in stores if s != "sqlite"], Path(tmp))
         try:
+            if "mysql" in env and args.innodb_deadlock_detect == "off":
+                setting = Raw("mysql", env, "")
+                setting.run("SET GLOBAL innodb_deadlock_detect = OFF")
+                setting.close()
+            # FOR UPDATE last on each store: on MariaDB its long queue leaves the server busy
+            # (purge) for a while, which would slow whatever ran next.
+            plan = [
+                (r, s)
+                for r in rounds
+                for s in subjects
+                if (r == "normal" or s in LATCHKEY_SUBJECTS) and s != "for-update"
+            ]
+            plan += [(r, s) for r in rounds for s in subjects
+                     if r == "normal" and s == "for-update"]  # fmt: skip
             for store in stores:
-                for round_ in rounds:
-                    for subject in subjects:
-                        if round_ == "kill" and subject not in LATCHKEY_SUBJECTS:
-                            continue
-                        try:
-                            cell = run_subject(store, subject, round_, env, Path(tmp), args)
-                        except Exception as exc:
-                            cell = {"store": store, "subject": subject, "round": round_,
-                                    "daemons": "–", "failed": f"{type(exc).__name__}: {exc}"[:300]}  # fmt: skip
-                        results["cells"].append(cell)
-                        print(table({"cells": [cell]}).splitlines()[-1], flush=True)
+                for round_, subject in plan:
+                    try:
+                        cell = run_subject(store, subject, round_, env, Path(tmp), args)
+                    except Exception as exc:
+                        failed = f"{type(exc).__name__}: {exc}"[:300]
+                        cell = {"store": store, "subject": subject, "round": round_,
+                                "daemons": DASH, "failed": failed}  # fmt: skip
+                    results["cells"].append(cell)
+                    print(table({"cells": [cell]}).splitlines()[-1], flush=True)
         finally:
             servers.stop(running)
     results["load_after"] = os.getloadavg()

@@ -32,7 +32,9 @@ def _with_database(url: str, database: str) -> str:
 
 
 @pytest.fixture
-def events_url(request: pytest.FixtureRequest, server_pool: object, tmp_path: Path) -> Iterator[str]:
+def events_url(
+    request: pytest.FixtureRequest, server_pool: object, tmp_path: Path
+) -> Iterator[str]:
     """LATCHKEY_URL for the page: a database of its own on the store's test server."""
     store: str = request.param
     if _selected and store not in _selected:
