@@ -74,7 +74,10 @@ class SyncFacade:
     """The sync API's shape over one async object (AsyncStore, AsyncLock, AsyncClaim,
     AsyncRecord)."""
 
-    _WRAPPED = ("AsyncLock", "AsyncSemaphore", "AsyncClaim", "AsyncRecord")
+    _WRAPPED = (
+        "AsyncLock", "AsyncSemaphore", "AsyncClaim", "AsyncRecord",
+        "AsyncRows", "AsyncTakeBatch", "AsyncLeaseBatch",
+    )  # fmt: skip
 
     def __init__(self, target: Any, runner: LoopThread) -> None:
         object.__setattr__(self, "_target", target)
@@ -103,7 +106,7 @@ class SyncFacade:
             return lambda *a, **k: runner.run(value(*a[:-1], _awaiting(a[-1]), **k))
         if inspect.iscoroutinefunction(value):
             return lambda *a, **k: self._wrap(runner.run(value(*a, **k)))
-        if callable(value) and name in ("lock", "semaphore", "record"):
+        if callable(value) and name in ("lock", "semaphore", "record", "rows", "take", "lease"):
             return lambda *a, **k: self._wrap(value(*a, **k))
         return value
 

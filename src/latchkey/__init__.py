@@ -23,7 +23,7 @@ from latchkey._owner import Owner
 from latchkey._record import Record
 from latchkey._rows import LeaseBatch, Rows, TakeBatch
 from latchkey._store import Store, connect
-from latchkey._types import Holder, LockInfo
+from latchkey._types import Holder, LockInfo, RowState
 from latchkey.errors import (
     ConfigError,
     Conflict,
@@ -95,6 +95,7 @@ __all__ = [
     "LockTimeout",
     "Owner",
     "Record",
+    "RowState",
     "Rows",
     "Semaphore",
     "Store",

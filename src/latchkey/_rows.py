@@ -11,6 +11,7 @@ from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
 from latchkey._core.store import DEFAULT_TTL
 from latchkey._durations import Duration
 from latchkey._run import run
+from latchkey._types import RowState
 
 if TYPE_CHECKING:
     from latchkey._store import Store
@@ -39,6 +40,13 @@ class Rows(RowsCore):
         columns: Sequence[str] | None = None,
     ) -> None:
         super().__init__(store, table, key, where, order_by, columns)
+
+    def status(self, limit: int = 50) -> list[RowState]:
+        """Up to ``limit`` due rows (in ``order_by``) as an operator asks when a queue
+        stalls: each one's live lease (who, until when) and whether a take's transaction
+        locks it now (found by trying to lock the due rows in a transaction rolled back at
+        once, so a take may skip them for that moment; None on SQLite: cannot tell)."""
+        return run(self._status(limit), self.store.backend)
 
     def take(self, limit: int = 1, wait: Duration = 0) -> TakeBatch:
         """Up to ``limit`` due rows locked in one transaction, for a ``with`` block:

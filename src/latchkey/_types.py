@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from latchkey._owner import Owner
 
@@ -89,3 +90,22 @@ class RowSpec:
     where: str | None = None
     order_by: str | None = None
     columns: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RowState:
+    """One due row as :meth:`latchkey.Rows.status` (and ``latchkey rows``) shows it."""
+
+    key: Any
+    """The row's key."""
+    lease: Holder | None
+    """Its live lease (``lease`` batches: name ``<table>:<key>``), or None."""
+    locked: bool | None
+    """Whether a ``take`` transaction holds it right now; None where the store cannot tell
+    (SQLite: a take holds the whole database's write lock)."""
+
+    @property
+    def state(self) -> str:
+        """``free``, ``leased``, ``locked`` or ``leased+locked``."""
+        parts = [p for p, on in (("leased", self.lease), ("locked", self.locked)) if on]
+        return "+".join(parts) or "free"

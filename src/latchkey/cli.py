@@ -25,11 +25,12 @@ from latchkey import __version__
 from latchkey._durations import format_duration, parse_duration, parse_ttl, parse_wait
 from latchkey._lock import Lock
 from latchkey._store import Store, connect
-from latchkey._types import LockInfo
+from latchkey._types import LockInfo, RowState
 from latchkey._url import StoreURL
 from latchkey.errors import (
     ConfigError,
     InvalidName,
+    InvalidValue,
     LatchkeyError,
     StoreUnavailable,
     Unsupported,
@@ -116,6 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="machine-readable output")
 
+    rows = sub.add_parser(
+        "rows",
+        parents=[common],
+        help="the due rows of a table: free, leased (by whom, until) or locked",
+        description="What a queue of rows claimed with store.rows(...) looks like right now: "
+        "its due rows, each one free, leased (owner, token, until when) or locked by a take's "
+        "transaction. SQL stores; the table is in the store's database.",
+    )
+    rows.add_argument("table", metavar="TABLE")
+    rows.add_argument("--key", default="id", help="the key column (id)")
+    rows.add_argument("--where", default=None, help="which rows are due (SQL, as the workers')")
+    rows.add_argument("--order-by", default=None, help="their order (SQL)")
+    rows.add_argument("--limit", type=int, default=50, help="show at most N rows (50)")
+    rows.add_argument("--json", action="store_true", help="machine-readable output")
+
     sub.add_parser("init", parents=[common], help="create the store's tables now")
     return parser
 
@@ -145,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.closing(connect(getattr(args, "url", None))) as store:
             handler = globals()[f"cmd_{args.command}"]
             return int(handler(args, store))
-    except (ConfigError, InvalidName) as exc:
+    except (ConfigError, InvalidName, InvalidValue) as exc:
         return _fail(EX_CONFIG, str(exc))
     except StoreUnavailable as exc:
         if args.command == "check" and args.json:  # scripts read stdout: say it there too
@@ -161,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: Options whose value may start with "-" (a negative duration gets a message about the
 #: duration, not argparse's "expected one argument").
-_VALUE_OPTIONS = ("--ttl", "--wait", "--at-least", "--kill-after", "--prefix")
+_VALUE_OPTIONS = ("--ttl", "--wait", "--at-least", "--kill-after", "--prefix", "--where")
 
 
 def _glue_values(words: list[str]) -> list[str]:
@@ -476,6 +492,69 @@ def cmd_check(args: argparse.Namespace, store: Store) -> int:
     if missing:
         print(f"not provided:  {', '.join(missing)}")
     return EX_OK
+
+
+def cmd_rows(args: argparse.Namespace, store: Store) -> int:
+    queue = store.rows(args.table, key=args.key, where=args.where, order_by=args.order_by)
+    if args.limit < 1:
+        raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
+    states = queue.status(limit=args.limit)
+    now = store.now()
+    if args.json:
+        print(json.dumps([_row_json(state, now) for state in states], ensure_ascii=False))
+        return EX_OK
+    if not states:
+        print(f"no due rows in {args.table}" + (f" where {args.where}" if args.where else ""))
+        return EX_OK
+    table = []
+    for state in states:
+        lease = state.lease
+        until = "-"
+        if lease is not None and lease.expires_at is not None:
+            until = "in " + format_duration(max(0.0, (lease.expires_at - now).total_seconds()))
+        table.append(
+            [
+                str(state.key),
+                state.state,
+                "-" if lease is None or lease.token is None else str(lease.token),
+                "-" if lease is None else str(lease.owner),
+                until,
+            ]
+        )
+    print(_table([args.key.upper(), "STATE", "TOKEN", "LEASED BY", "UNTIL"], table))
+    counts = {name: sum(1 for s in states if s.state == name) for name in ("free", "leased")}
+    locked = sum(1 for s in states if s.locked)
+    more = " (--limit reached)" if len(states) >= args.limit else ""
+    print(
+        f"{len(states)} due row(s){more}: {counts['free']} free, {counts['leased']} leased, "
+        + ("locks unknown (SQLite)" if states[0].locked is None else f"{locked} locked")
+    )
+    return EX_OK
+
+
+def _row_json(state: RowState, now: datetime) -> dict[str, Any]:
+    lease = state.lease
+    return {
+        "key": state.key if isinstance(state.key, int | str | float) else str(state.key),
+        "state": state.state,
+        "locked": state.locked,
+        "lease": None
+        if lease is None
+        else {
+            "token": lease.token,
+            "owner": {
+                "host": lease.owner.host,
+                "pid": lease.owner.pid,
+                "thread": lease.owner.thread,
+                "metadata": dict(lease.owner.metadata),
+            },
+            "acquired_at": _iso(lease.acquired_at),
+            "expires_at": _iso(lease.expires_at),
+            "expires_in": None
+            if lease.expires_at is None
+            else round((lease.expires_at - now).total_seconds(), 3),
+        },
+    }
 
 
 def cmd_init(args: argparse.Namespace, store: Store) -> int:

@@ -265,3 +265,40 @@ def test_check_reports_round_trip_and_clock(env: dict[str, str]) -> None:
 def test_purge_and_init(env: dict[str, str]) -> None:
     assert latchkey(env, "init").returncode == 0
     assert json.loads(latchkey(env, "purge", "--json").stdout) == {"purged": 0}
+
+
+def test_rows_lists_due_rows_free_and_leased(env: dict[str, str], tmp_path: Path) -> None:
+    import latchkey as lk
+    from tests.appdb import AppDB
+
+    url = env["LATCHKEY_URL"]
+    app = AppDB(url)
+    table = app.create_events(4)
+    app.execute(f"UPDATE {table} SET processed_at = 1 WHERE id = 4")
+    store = lk.connect(url)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.lease(limit=1, ttl="10m", metadata={"job": "digest"}) as batch:
+        token = batch.token(batch.rows[0])
+        result = latchkey(env, "rows", table, "--where", "processed_at IS NULL", "--order-by", "id")
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0].split() == ["ID", "STATE", "TOKEN", "LEASED", "BY", "UNTIL"]
+        first = lines[1].split()
+        assert first[:3] == ["1", "leased", str(token)] and f"{os.getpid()}@" in lines[1]
+        assert lines[2].split()[:2] == ["2", "free"] and lines[3].split()[:2] == ["3", "free"]
+        assert "3 due row(s)" in lines[-1] and "1 leased" in lines[-1]
+        result = latchkey(env, "rows", table, "--where", "processed_at IS NULL", "--json")
+        rows = json.loads(result.stdout)
+        assert [r["key"] for r in rows] == [1, 2, 3]
+        assert rows[0]["state"] == "leased" and rows[0]["lease"]["token"] == token
+        assert rows[0]["lease"]["owner"]["pid"] == os.getpid()
+        assert rows[0]["lease"]["owner"]["metadata"] == {"job": "digest"}
+        assert rows[1] == {"key": 2, "state": "free", "locked": None, "lease": None}
+    store.close()
+    app.close()
+    result = latchkey(env, "rows", table, "--where", "processed_at IS NOT NULL AND id > 4")
+    assert result.returncode == 0 and "no due rows" in result.stdout
+    bad = latchkey(env, "rows", "events; DROP TABLE x")
+    assert bad.returncode == 78 and "not an identifier" in bad.stderr
+    elsewhere = latchkey({**env, "LATCHKEY_URL": "memory://"}, "rows", table)
+    assert elsewhere.returncode == 78 and "memory" in elsewhere.stderr

@@ -16,6 +16,9 @@ PAIRS = [
     (latchkey.Semaphore, latchkey.AsyncSemaphore),
     (latchkey.Claim, latchkey.AsyncClaim),
     (latchkey.Record, latchkey.AsyncRecord),
+    (latchkey.Rows, latchkey.AsyncRows),
+    (latchkey.TakeBatch, latchkey.AsyncTakeBatch),
+    (latchkey.LeaseBatch, latchkey.AsyncLeaseBatch),
 ]
 #: Where the twins differ on purpose: closing (``close`` / ``aclose``) and the context
 #: protocol (``__enter__`` / ``__aenter__``); a claim is also awaitable.
@@ -62,6 +65,9 @@ _AWAITED = {
     "Semaphore": {"acquire", "release", "extend"},
     "Claim": {"release", "release_all"},
     "Record": {"get", "set", "delete", "update"},
+    "Rows": {"status"},
+    "TakeBatch": {"execute"},
+    "LeaseBatch": {"done", "execute"},
 }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from latchkey._async._run import arun
 from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
 from latchkey._core.store import DEFAULT_TTL
 from latchkey._durations import Duration
+from latchkey._types import RowState
 
 if TYPE_CHECKING:
     from latchkey._async.store import AsyncStore
@@ -36,6 +37,10 @@ class AsyncRows(RowsCore):
         columns: Sequence[str] | None = None,
     ) -> None:
         super().__init__(store, table, key, where, order_by, columns)
+
+    async def status(self, limit: int = 50) -> list[RowState]:
+        """See :meth:`latchkey.Rows.status`."""
+        return await arun(self._status(limit), self.store.backend)
 
     def take(self, limit: int = 1, wait: Duration = 0) -> AsyncTakeBatch:
         """See :meth:`latchkey.Rows.take`."""

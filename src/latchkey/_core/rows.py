@@ -27,7 +27,7 @@ from latchkey._core.ops import Steps, call, on, sleep
 from latchkey._core.waiting import CAP_POLLING, Backoff
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._owner import Owner, new_owner_token
-from latchkey._types import Grant, RowSpec
+from latchkey._types import Grant, RowSpec, RowState
 from latchkey.errors import ConfigError, InvalidName, InvalidValue, Unsupported
 
 log = logging.getLogger("latchkey")
@@ -98,6 +98,10 @@ class RowsCore:
             sql_text(order_by, "order_by"),
             None if columns is None else tuple(identifier(c, "column") for c in columns),
         )
+
+    def _status(self, limit: int) -> Steps[list[RowState]]:
+        spec, limit = self.spec, check_limit(limit)
+        return (yield call("rows_status", spec, limit))  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.spec.table} key={self.spec.key}>"

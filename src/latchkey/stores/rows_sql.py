@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from latchkey._types import Grant, RowSpec
-from latchkey.errors import Unsupported
+from latchkey._types import Grant, RowSpec, RowState
+from latchkey.errors import StoreUnavailable, Unsupported
 from latchkey.stores.io import Steps
 from latchkey.stores.sql import Query
 
@@ -61,10 +60,10 @@ class Dialect:
     LOCKING: str
     """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
     LEASE_NAME: str
-    """A row's lease name as the lease table stores it, from ``{prefix}`` (the parameter
-    holding ``'<table>:'``) and ``{key}`` (the quoted key column of row alias ``r``)."""
+    """A row's lease name as the lease table stores it, from ``{prefix}`` (the literal
+    ``'<table>:'``) and ``{key}`` (the table-qualified, quoted key column)."""
     LIVE: str
-    """True for a live lease row ``l``."""
+    """True for a live lease row ``latchkey_lease`` (an alias no application table shadows)."""
     PARAM: str
     """The driver's placeholder."""
 
@@ -74,8 +73,8 @@ POSTGRESQL = Dialect(
     quote='"',
     BEGIN="BEGIN",
     LOCKING="FOR UPDATE SKIP LOCKED",
-    LEASE_NAME="convert_to({prefix} || r.{key}::text, 'UTF8')",
-    LIVE="l.expires_at > now()",
+    LEASE_NAME="convert_to({prefix} || {key}::text, 'UTF8')",
+    LIVE="latchkey_lease.expires_at > now()",
     PARAM="%s",
 )
 #: MySQL 8 / MariaDB ≥ 10.6: names are VARBINARY (the UTF-8 bytes of the connection's utf8mb4).
@@ -83,8 +82,8 @@ MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
     LOCKING="FOR UPDATE SKIP LOCKED",
-    LEASE_NAME="CAST(CONCAT({prefix}, r.{key}) AS BINARY)",
-    LIVE="l.expires_at > UTC_TIMESTAMP(6)",
+    LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
+    LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
     PARAM="%s",
 )
 #: SQLite: BEGIN IMMEDIATE takes the database's write lock, so no row lock is needed; names
@@ -93,8 +92,8 @@ SQLITE = Dialect(
     quote='"',
     BEGIN="BEGIN IMMEDIATE",
     LOCKING="",
-    LEASE_NAME="CAST({prefix} || r.{key} AS BLOB)",
-    LIVE="l.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    LEASE_NAME="CAST({prefix} || {key} AS BLOB)",
+    LIVE="latchkey_lease.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
     PARAM="?",
 )
 
@@ -112,19 +111,6 @@ def skip_locked_supported(server_version: str) -> bool:
     if "mariadb" in server_version.lower():
         return version >= (10, 6, 0)
     return version >= (8, 0, 1)
-
-
-@dataclass(frozen=True)
-class RowState:
-    """One row as ``latchkey rows`` shows it: its key, and whether it is leased (by whom,
-    until when) or locked by a take's transaction right now."""
-
-    key: Any
-    lease_owner: str | None = None
-    lease_token: int | None = None
-    lease_until: datetime | None = None
-    locked: bool | None = None
-    """None where the store cannot tell (SQLite: a take holds the whole database)."""
 
 
 class RowClaims:
@@ -151,18 +137,23 @@ class RowClaims:
         q = d.quote
         table = ".".join(f"{q}{part}{q}" for part in spec.table.split("."))
         if spec.columns is None:
-            columns = "r.*"
+            columns = f"{table}.*"
         else:
             names = (spec.key, *(c for c in spec.columns if c != spec.key))
-            columns = ", ".join(f"r.{q}{name}{q}" for name in names)
-        sql = f"SELECT {columns} FROM {table} AS r"
+            columns = ", ".join(f"{table}.{q}{name}{q}" for name in names)
+        # No alias: ``where`` and ``order_by`` may name the table (``events.id``).
+        sql = f"SELECT {columns} FROM {table}"
         conditions = [f"({spec.where})"] if spec.where else []
         if lease is not None:
             assert re.fullmatch(r"[0-9a-f]*", lease) and re.fullmatch(r"[\w.]+", spec.table)
-            name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=f"{q}{spec.key}{q}")
-            live = f"SELECT 1 FROM {self.lease_table()} AS l WHERE l.name = {name} AND {d.LIVE}"
+            key = f"{table}.{q}{spec.key}{q}"
+            name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=key)
+            live = (
+                f"SELECT 1 FROM {self.lease_table()} AS latchkey_lease "
+                f"WHERE latchkey_lease.name = {name} AND {d.LIVE}"
+            )
             if lease:
-                conditions.append(f"EXISTS ({live} AND l.owner = '{lease}')")
+                conditions.append(f"EXISTS ({live} AND latchkey_lease.owner = '{lease}')")
             else:
                 conditions.append(f"NOT EXISTS ({live})")
         if conditions:
@@ -251,8 +242,10 @@ class RowClaims:
         names = [f"{spec.table}:{key}".encode() for key in keys]
         marks = ", ".join([d.PARAM] * len(names))
         lease_sql = (
-            f"SELECT l.name, l.owner_info, l.token, l.expires_at FROM {self.lease_table()} AS l "
-            f"WHERE l.name IN ({marks}) AND {d.LIVE}"
+            "SELECT latchkey_lease.name, latchkey_lease.owner_info, latchkey_lease.token, "
+            "latchkey_lease.acquired_at, latchkey_lease.expires_at "
+            f"FROM {self.lease_table()} AS latchkey_lease "
+            f"WHERE latchkey_lease.name IN ({marks}) AND {d.LIVE}"
         )
         _, leases = yield Statement(lease_sql, tuple(names))
         leased = {bytes(row[0]).decode(): row for row in leases}
@@ -268,16 +261,19 @@ class RowClaims:
         states = []
         for key in keys:
             lease = leased.get(f"{spec.table}:{key}")
-            states.append(
-                RowState(
-                    key=key,
-                    lease_owner=lease[1] if lease else None,
-                    lease_token=int(lease[2]) if lease else None,
-                    lease_until=self.time(lease[3]) if lease else None,  # type: ignore[attr-defined]
-                    locked=None if free is None else str(key) not in free,
-                )
-            )
+            holder = None if lease is None else self.holder(lease)  # type: ignore[attr-defined]
+            locked = None if free is None else str(key) not in free
+            states.append(RowState(key, holder, locked))
         return states
+
+
+def raise_not_committed(backend: Any) -> None:
+    """A take's connection failed during the batch (the error was raised then, and caught):
+    the transaction cannot commit; the server rolled it back when the connection ended."""
+    raise StoreUnavailable(
+        f"{backend.scheme} store at {backend.url.redacted()}: commit failed: the batch's "
+        "connection failed earlier in the batch; nothing was committed"
+    )
 
 
 class Taken:
@@ -292,6 +288,11 @@ class Taken:
         return self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
     def finish(self, commit: bool) -> None:
+        if self.pin.broken:  # the server ends the transaction with the connection
+            self.pin.release(False)
+            if commit:
+                raise_not_committed(self.pin.driver.backend)
+            return
         ok = False
         try:
             self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
@@ -310,6 +311,11 @@ class AsyncTaken:
         return await self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
     async def finish(self, commit: bool) -> None:
+        if self.pin.broken:
+            await self.pin.release(False)
+            if commit:
+                raise_not_committed(self.pin.driver.backend)
+            return
         ok = False
         try:
             await self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")

@@ -1,0 +1,387 @@
+"""Row claiming in the application's own table (seed 002, issue 13): ``store.rows(...)`` with
+``take`` (one transaction, FOR UPDATE SKIP LOCKED) and ``lease`` (a fenced lease per row), on
+the SQL stores, in the sync and the asyncio API; ``Unsupported`` everywhere else."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import latchkey
+from latchkey import InvalidName, InvalidValue, StoreUnavailable, Unsupported
+from tests.appdb import AppDB
+from tests.helpers import eventually
+
+
+@pytest.fixture
+def db(store: latchkey.Store, store_url: str) -> Iterator[AppDB]:
+    if not store.capabilities.rows:
+        pytest.skip(f"{store.scheme} store claims no rows")
+    app = AppDB(store_url)
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def processed(db: AppDB, table: str) -> list[int]:
+    return [
+        row[0]
+        for row in db.execute(f"SELECT id FROM {table} WHERE processed_at IS NOT NULL ORDER BY id")
+    ]
+
+
+def mark(batch: latchkey.TakeBatch, db: AppDB, table: str, row: dict[str, object]) -> None:
+    batch.execute(db.sql(f"UPDATE {table} SET processed_at = 1 WHERE id = %s"), (row["id"],))
+
+
+# -- every store ------------------------------------------------------------------------------
+
+
+def test_other_stores_raise_unsupported_naming_themselves(store: latchkey.Store) -> None:
+    if store.capabilities.rows:
+        assert store.scheme in ("sqlite", "postgresql", "mysql")
+        return
+    with pytest.raises(Unsupported, match=re.escape(f"the {store.scheme} store")):
+        store.rows("events", key="id")
+
+
+def test_bad_identifiers_are_rejected_before_any_io() -> None:
+    # Port 1: nothing listens there; InvalidName must come before any attempt to connect.
+    for url in ("postgresql://nobody@127.0.0.1:1/db", "mysql://nobody@127.0.0.1:1/db"):
+        store = latchkey.connect(url)
+        for bad in ("events; DROP TABLE events", 'ev"ents', "ev ents", "1events", "", "a.b.c",
+                    "events--", "ev`ents", None):  # fmt: skip
+            with pytest.raises(InvalidName, match="table") as caught:
+                store.rows(bad)  # type: ignore[arg-type]
+            assert repr(bad) in str(caught.value)
+        with pytest.raises(InvalidName, match="key"):
+            store.rows("events", key="id) OR (1=1")
+        with pytest.raises(InvalidName, match="column"):
+            store.rows("events", columns=["id", "body FROM x; --"])
+        with pytest.raises(InvalidName):
+            store.rows("events", columns="body")  # type: ignore[arg-type]
+        rows = store.rows("events", where="processed_at IS NULL")
+        for limit in (0, -1, True, 1.5, "3"):
+            with pytest.raises(InvalidValue, match="limit"):
+                rows.take(limit=limit)  # type: ignore[arg-type]
+            with pytest.raises(InvalidValue, match="limit"):
+                rows.lease(limit=limit, ttl=5)  # type: ignore[arg-type]
+        for ttl in (0, -1, "soon"):
+            with pytest.raises(InvalidValue, match="ttl"):
+                rows.lease(ttl=ttl)
+        with pytest.raises(InvalidValue, match="wait"):
+            rows.take(wait=-1)
+        with pytest.raises(InvalidValue, match="where"):
+            store.rows("events", where="  ")
+        store.close()
+
+
+def test_an_unreachable_server_is_store_unavailable_not_an_empty_batch() -> None:
+    for url in (
+        "postgresql://nobody@127.0.0.1:1/db?timeout=1",
+        "mysql://nobody@127.0.0.1:1/db?timeout=1",
+    ):
+        store = latchkey.connect(url)
+        with pytest.raises(StoreUnavailable), store.rows("events").take(limit=5):
+            pytest.fail("the batch must not open")
+        with pytest.raises(StoreUnavailable), store.rows("events").lease(limit=5, ttl=5):
+            pytest.fail("the batch must not open")
+        store.close()
+
+
+# -- take ---------------------------------------------------------------------------------------
+
+
+def test_take_hands_out_due_rows_as_dicts_and_commits_on_exit(
+    store: latchkey.Store, db: AppDB
+) -> None:
+    table = db.create_events(5)
+    queue = store.rows(table, key="id", where="processed_at IS NULL", order_by="id")
+    with queue.take(limit=3) as batch:
+        assert batch and len(batch) == 3
+        assert [row["id"] for row in batch] == [1, 2, 3]
+        assert set(batch.rows[0]) == {"id", "body", "processed_at", "worker"}
+        assert batch.rows[0]["body"] == "event 1" and batch.rows[0]["processed_at"] is None
+        for row in batch:
+            mark(batch, db, table, row)
+        assert batch.execute(
+            db.sql(f"SELECT count(*) FROM {table} WHERE processed_at = %s"), (1,)
+        ) == [(3,)]
+    assert processed(db, table) == [1, 2, 3]
+    with queue.take(limit=10) as batch:
+        assert [row["id"] for row in batch] == [4, 5]
+
+
+def test_an_exception_rolls_back_and_the_rows_are_due_again_at_once(
+    store: latchkey.Store, db: AppDB
+) -> None:
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), queue.take(limit=2) as batch:
+        for row in batch:
+            mark(batch, db, table, row)
+        raise Boom
+    assert processed(db, table) == []
+    with queue.take(limit=2, wait=0) as batch:
+        assert [row["id"] for row in batch] == [1, 2]
+
+
+def test_where_order_by_and_columns(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(10)
+    # A '%' in where needs no escaping: the statement is sent without parameters.
+    # where may name the table itself (the statements use no alias for it).
+    queue = store.rows(table, key="id", where=f"{table}.processed_at IS NULL AND id % 2 = 0",
+                       order_by="id DESC", columns=["body"])  # fmt: skip
+    with queue.take(limit=3) as batch:
+        assert batch.rows == [{"id": 10, "body": "event 10"}, {"id": 8, "body": "event 8"},
+                              {"id": 6, "body": "event 6"}]  # fmt: skip
+    with queue.lease(limit=2, ttl=30) as leased:
+        assert leased.rows == [{"id": 10, "body": "event 10"}, {"id": 8, "body": "event 8"}]
+
+
+def test_an_empty_batch_is_falsy_and_the_body_still_runs(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(2)
+    queue = store.rows(table, where="processed_at IS NOT NULL")
+    ran = []
+    started = time.monotonic()
+    with queue.take(limit=5, wait=0) as batch:
+        ran.append(True)
+        assert not batch and len(batch) == 0 and list(batch) == []
+        with pytest.raises(InvalidValue, match="empty"):
+            batch.execute(f"SELECT 1 FROM {table}")
+    with queue.lease(limit=5, ttl=10, wait=0) as leased:
+        ran.append(True)
+        assert not leased and len(leased) == 0
+    assert ran == [True, True] and time.monotonic() - started < 3
+
+
+def test_wait_returns_a_row_inserted_later(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(0)
+    queue = store.rows(table, where="processed_at IS NULL")
+    later = AppDB(db.url)
+    timer = threading.Timer(0.3, lambda: later.insert(table, [7]))
+    timer.start()
+    try:
+        started = time.monotonic()
+        with queue.take(limit=5, wait="20s") as batch:
+            assert [row["id"] for row in batch] == [7]
+            assert time.monotonic() - started < 15
+            mark(batch, db, table, batch.rows[0])
+        started = time.monotonic()
+        with queue.take(limit=5, wait=0.3) as batch:  # nothing more: empty after the wait
+            assert not batch
+        assert time.monotonic() - started >= 0.25
+    finally:
+        timer.join()
+        later.close()
+
+
+def test_two_takes_never_get_the_same_row(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(4)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    if store.scheme == "sqlite":
+        # SQLite serialises writers: the second take waits for the first to commit.
+        got: list[int] = []
+        with queue.take(limit=2) as first:
+            assert [row["id"] for row in first] == [1, 2]
+            worker = threading.Thread(target=lambda: got.extend(take_and_mark(queue, db, table)))
+            worker.start()
+            time.sleep(0.3)
+            assert got == []  # still waiting for the write lock
+            for row in first:
+                mark(first, db, table, row)
+        worker.join(20)
+        assert got == [3, 4]
+        return
+    with queue.take(limit=2) as first:
+        started = time.monotonic()
+        with queue.take(limit=2, wait=0) as second:  # SKIP LOCKED: the next rows, no wait
+            assert time.monotonic() - started < 2
+            assert [row["id"] for row in first] == [1, 2]
+            assert [row["id"] for row in second] == [3, 4]
+            with queue.take(limit=2, wait=0) as third:
+                assert not third
+            for row in second:
+                mark(second, db, table, row)
+        for row in first:
+            mark(first, db, table, row)
+    assert processed(db, table) == [1, 2, 3, 4]
+
+
+def take_and_mark(queue: latchkey.Rows, db: AppDB, table: str) -> list[int]:
+    with queue.take(limit=2, wait="20s") as batch:
+        for row in batch:
+            mark(batch, db, table, row)
+        return [row["id"] for row in batch]
+
+
+def test_a_failed_statement_leaves_no_connection_in_a_transaction(
+    store: latchkey.Store, db: AppDB, name: str
+) -> None:
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with pytest.raises(Exception) as caught, queue.take(limit=1) as batch:
+        batch.execute("SELECT no_such_column FROM no_such_table")
+    assert not isinstance(caught.value, StoreUnavailable)  # the application's own error
+    for _ in range(10):  # every pooled connection is usable and out of any transaction
+        lock = store.lock(name, ttl=10, wait=0)
+        assert lock.acquire()
+        assert lock.release()
+    with queue.take(limit=3) as batch:
+        assert [row["id"] for row in batch] == [1, 2, 3]
+
+
+# -- lease --------------------------------------------------------------------------------------
+
+
+def test_lease_tokens_done_and_inspect(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.lease(limit=2, ttl="30s") as batch:
+        assert [row["id"] for row in batch] == [1, 2]
+        first, _ = batch.rows
+        token = batch.token(first)
+        assert isinstance(token, int) and token > 0
+        info = store.inspect(f"{table}:1")
+        assert info is not None and info.token == token  # an ordinary lease
+        assert batch.remaining() > 20 and not batch.expired
+        assert batch.done(first) is True
+        assert batch.done(first) is False
+        assert store.is_free(f"{table}:1")
+        assert not store.is_free(f"{table}:2")
+    assert store.is_free(f"{table}:2")  # the end of the batch released the rest
+    with queue.lease(limit=1, ttl="30s") as again:
+        assert [row["id"] for row in again] == [1]
+        assert again.token(again.rows[0]) > token  # strictly increasing per row
+        with pytest.raises(InvalidValue):
+            again.token({"id": 3})
+
+
+def test_leased_rows_are_skipped_by_other_leases(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(5)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.lease(limit=2, ttl="30s") as first, queue.lease(limit=2, ttl="30s") as second:
+        assert [row["id"] for row in first] == [1, 2]
+        assert [row["id"] for row in second] == [3, 4]
+        # execute in a lease: a short transaction of its own, committed at once
+        for row in second:
+            second.execute(
+                db.sql(f"UPDATE {table} SET processed_at = 1 WHERE id = %s"), (row["id"],)
+            )
+            second.done(row)
+        assert processed(db, table) == [3, 4]
+    with queue.lease(limit=5, ttl="30s") as rest:
+        assert [row["id"] for row in rest] == [1, 2, 5]
+
+
+def test_an_exception_in_a_lease_gives_the_rows_back_at_once(
+    store: latchkey.Store, db: AppDB
+) -> None:
+    table = db.create_events(2)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with pytest.raises(KeyError), queue.lease(limit=2, ttl="1h"):
+        raise KeyError("boom")
+    with queue.lease(limit=2, ttl="1h", wait=0) as batch:
+        assert [row["id"] for row in batch] == [1, 2]
+
+
+def test_a_lease_not_done_comes_back_after_its_ttl(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(1)
+    queue = store.rows(table, where="processed_at IS NULL")
+    crashed = queue.lease(limit=1, ttl=0.5)
+    crashed.__enter__()  # a worker that dies holding the lease: never exits
+    old = crashed.token(crashed.rows[0])
+    with queue.lease(limit=1, ttl=30) as other:
+        assert not other  # still leased
+
+    def comes_back() -> int | None:
+        with queue.lease(limit=1, ttl=30) as batch:
+            return batch.token(batch.rows[0]) if batch else None
+
+    token = eventually(comes_back, timeout=15, what="the crashed worker's row back")
+    assert token > old
+
+
+def test_a_row_finished_elsewhere_is_not_leased(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.take(limit=1) as batch:  # finished by a take: never leased afterwards
+        mark(batch, db, table, batch.rows[0])
+    with queue.lease(limit=3, ttl=30) as leased:
+        assert [row["id"] for row in leased] == [2, 3]
+        for row in leased:
+            assert row["processed_at"] is None
+
+
+def test_status_shows_free_leased_and_locked_rows(store: latchkey.Store, db: AppDB) -> None:
+    table = db.create_events(5)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with queue.lease(limit=1, ttl="1m") as leased:
+        token = leased.token(leased.rows[0])
+        if store.scheme == "sqlite":  # a take would hold the write lock: locks are unknown
+            states = queue.status()
+            assert [(s.key, s.state, s.locked) for s in states][:2] == [
+                (1, "leased", None), (2, "free", None),
+            ]  # fmt: skip
+            return
+        with queue.take(limit=2) as taken:
+            assert [row["id"] for row in taken] == [1, 2]  # a take ignores leases
+            states = queue.status(limit=4)
+    assert [(s.key, s.state) for s in states] == [
+        (1, "leased+locked"), (2, "locked"), (3, "free"), (4, "free"),
+    ]  # fmt: skip
+    lease = states[0].lease
+    assert lease is not None and lease.token == token and lease.expires_at is not None
+    with queue.take(limit=5, wait=0) as again:  # status left no lock behind
+        assert len(again) == 5
+
+
+def test_a_server_failure_inside_a_take_is_store_unavailable(
+    store: latchkey.Store, db: AppDB
+) -> None:
+    if store.scheme == "sqlite":
+        pytest.skip("no server to fail")
+    table = db.create_events(3)
+    queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+    with pytest.raises(StoreUnavailable), queue.take(limit=2) as batch:
+        kill_the_session_in_a_transaction(db)  # what a server restart does to it
+        batch.execute(db.sql(f"UPDATE {table} SET processed_at = 1 WHERE id = %s"), (1,))
+    assert processed(db, table) == []  # rolled back by the server
+    with queue.take(limit=3) as batch:  # the dead connection was not pooled
+        assert [row["id"] for row in batch] == [1, 2, 3]
+    # The failure caught inside the block: the end of the block cannot commit, and says so.
+    with (
+        pytest.raises(StoreUnavailable, match="nothing was committed"),
+        queue.take(limit=1) as batch,
+    ):
+        kill_the_session_in_a_transaction(db)
+        with pytest.raises(StoreUnavailable):
+            batch.execute(f"SELECT 1 FROM {table}")
+    with queue.take(limit=3) as batch:
+        assert len(batch) == 3
+
+
+def kill_the_session_in_a_transaction(db: AppDB) -> None:
+    if db.scheme == "postgresql":
+        killed = db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()"
+        )
+    else:  # innodb_trx is a cached view (refreshed every 0.1 s): kill every idle session of
+        # this database but ours, as a restart would (the pool reopens the others)
+        killed = db.execute(
+            "SELECT id FROM information_schema.processlist "
+            "WHERE id <> CONNECTION_ID() AND command = 'Sleep' AND db = DATABASE()"
+        )
+        for (thread,) in killed:
+            db.execute(f"KILL {int(thread)}")
+    assert killed
