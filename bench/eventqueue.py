@@ -46,6 +46,7 @@ import platform
 import random
 import signal
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -338,7 +339,13 @@ def write_result(cfg: dict[str, Any], index: int, out: dict[str, Any]) -> None:
 
 
 def run_subject(
-    store: str, subject: str, round_: str, env: dict[str, str], workdir: Path, args: Any
+    store: str,
+    subject: str,
+    round_: str,
+    env: dict[str, str],
+    workdir: Path,
+    args: Any,
+    rep: int = 0,
 ) -> dict[str, Any]:
     daemons = args.sqlite_daemons if store == "sqlite" else args.daemons
     tag = f"{subject.replace('-', '_')}_{round_}_{int(time.time() * 1000) % 10**8}"
@@ -348,7 +355,7 @@ def run_subject(
     cfg = {"store": store, "subject": subject, "tag": tag, "env": env, "db_path": db_path,
            "latchkey_url": latchkey_url(store, env, db_path, tag), "ttl": LEASE_TTL[round_],
            "results_dir": str(results_dir)}  # fmt: skip
-    cell: dict[str, Any] = {"store": store, "subject": subject, "round": round_,
+    cell: dict[str, Any] = {"store": store, "subject": subject, "round": round_, "rep": rep,
                             "daemons": daemons, "rows": args.rows}  # fmt: skip
     if subject == "lease10":
         cell["ttl"] = cfg["ttl"]
@@ -357,7 +364,7 @@ def run_subject(
         create_tables(setup, tag, args.rows)
     finally:
         setup.close()
-    rng = random.Random(f"{store}/{subject}/{round_}")
+    rng = random.Random(f"{store}/{subject}/{round_}/{rep}")
     doomed: dict[int, int] = {}
     if round_ == "kill":
         for i in rng.sample(range(daemons), max(1, round(daemons * args.kill_fraction))):
@@ -454,6 +461,27 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summary(results: dict[str, Any]) -> str:
+    """Per store, subject and round over the repetitions: median rows/s (range), and doubles,
+    lost rows and killed daemons summed over all of them."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for cell in results["cells"]:
+        groups.setdefault((cell["store"], cell["subject"], cell["round"]), []).append(cell)
+    head = "| store | subject | round | runs | rows/s, median (range) | doubles | lost | killed |"
+    lines = [head + " failed runs |", "| --- " * 9 + "|"]
+    for (store, subject, round_), cells in groups.items():
+        rates = sorted(c["rows_per_s"] for c in cells if c.get("rows_per_s"))
+        rate = (f"{statistics.median(rates):,.0f} ({rates[0]:,.0f}{DASH}{rates[-1]:,.0f})"
+                if rates else DASH)  # fmt: skip
+        failed = sum(1 for c in cells if c.get("failed"))
+        lines.append(
+            f"| {store} | {subject} | {round_} | {len(cells)} | {rate} |"
+            f" {sum(c.get('doubles', 0) for c in cells)} | {sum(c.get('lost', 0) for c in cells)}"
+            f" | {sum(c.get('killed', 0) for c in cells)} | {failed or ''} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", default=",".join(STORES))
@@ -465,11 +493,15 @@ def main() -> None:
     parser.add_argument("--kill-fraction", type=float, default=0.1)
     parser.add_argument("--innodb-deadlock-detect", choices=["on", "off"], default="on",
                         help="MariaDB's setting (default on, as shipped)")  # fmt: skip
+    parser.add_argument("--repeat", type=int, default=3, help="runs of every subject")
     parser.add_argument("--out")
     parser.add_argument("--report")
     args = parser.parse_args()
     if args.report:
-        print(table(json.loads(Path(args.report).read_text())))
+        saved = json.loads(Path(args.report).read_text())
+        print(table(saved))
+        print()
+        print(summary(saved))
         return
     stores = [s for s in args.stores.split(",") if s]
     subjects = [s for s in args.subjects.split(",") if s]
@@ -499,21 +531,29 @@ def main() -> None:
             plan += [(r, s) for r in rounds for s in subjects
                      if r == "normal" and s == "for-update"]  # fmt: skip
             for store in stores:
-                for round_, subject in plan:
-                    try:
-                        cell = run_subject(store, subject, round_, env, Path(tmp), args)
-                    except Exception as exc:
-                        failed = f"{type(exc).__name__}: {exc}"[:300]
-                        cell = {"store": store, "subject": subject, "round": round_,
-                                "daemons": DASH, "failed": failed}  # fmt: skip
-                    results["cells"].append(cell)
-                    print(table({"cells": [cell]}).splitlines()[-1], flush=True)
+                for rep in range(args.repeat):
+                    # the subjects' order turns each repetition; FOR UPDATE stays last
+                    turn = rep % (len(plan) - 1) if len(plan) > 1 else 0
+                    rest, last = plan[:-1], plan[-1:]
+                    if not any(s == "for-update" for _, s in last):
+                        rest, last = plan, []
+                    for round_, subject in rest[turn:] + rest[:turn] + last:
+                        try:
+                            cell = run_subject(store, subject, round_, env, Path(tmp), args, rep)
+                        except Exception as exc:
+                            failed = f"{type(exc).__name__}: {exc}"[:300]
+                            cell = {"store": store, "subject": subject, "round": round_,
+                                    "rep": rep, "daemons": DASH, "failed": failed}  # fmt: skip
+                        results["cells"].append(cell)
+                        print(table({"cells": [cell]}).splitlines()[-1], flush=True)
         finally:
             servers.stop(running)
     results["load_after"] = os.getloadavg()
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print()
     print(table(results))
+    print()
+    print(summary(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
