@@ -498,7 +498,12 @@ def cmd_rows(args: argparse.Namespace, store: Store) -> int:
     queue = store.rows(args.table, key=args.key, where=args.where, order_by=args.order_by)
     if args.limit < 1:
         raise ConfigError(f"--limit must be ≥ 1, got {args.limit}")
-    states = queue.status(limit=args.limit)
+    try:
+        states = queue.status(limit=args.limit)
+    except LatchkeyError:
+        raise
+    except Exception as exc:  # the database refused the query: a bad --where, table or key
+        raise ConfigError(f"rows: the database refused the query: {exc}") from exc
     now = store.now()
     if args.json:
         print(json.dumps([_row_json(state, now) for state in states], ensure_ascii=False))

@@ -302,3 +302,14 @@ def test_rows_lists_due_rows_free_and_leased(env: dict[str, str], tmp_path: Path
     assert bad.returncode == 78 and "not an identifier" in bad.stderr
     elsewhere = latchkey({**env, "LATCHKEY_URL": "memory://"}, "rows", table)
     assert elsewhere.returncode == 78 and "memory" in elsewhere.stderr
+
+
+def test_rows_with_a_bad_where_exits_78_with_one_line(env: dict[str, str]) -> None:
+    from tests.appdb import AppDB
+
+    app = AppDB(env["LATCHKEY_URL"])
+    table = app.create_events(1)
+    app.close()
+    result = latchkey(env, "rows", table, "--where", "no_such_column = 1")
+    assert result.returncode == 78
+    assert "no_such_column" in result.stderr and len(result.stderr.splitlines()) == 1

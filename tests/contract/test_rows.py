@@ -4,10 +4,12 @@ the SQL stores, in the sync and the asyncio API; ``Unsupported`` everywhere else
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -385,3 +387,53 @@ def kill_the_session_in_a_transaction(db: AppDB) -> None:
         for (thread,) in killed:
             db.execute(f"KILL {int(thread)}")
     assert killed
+
+
+def test_many_concurrent_async_takes_on_sqlite_do_not_starve(tmp_path: Path) -> None:
+    """More takes waiting for SQLite's write lock than a shared executor has threads: the
+    holder still commits (each take's statements run on a thread of its own)."""
+    url = f"sqlite:///{tmp_path}/app.db"
+    db = AppDB(url)
+    table = db.create_events(40)
+
+    async def worker(queue: latchkey.AsyncRows) -> int:
+        done = 0
+        while True:
+            async with queue.take(limit=2, wait=0) as batch:
+                if not batch:
+                    return done
+                for row in batch:
+                    await asyncio.sleep(0.005)
+                    sql = f"UPDATE {table} SET processed_at = 1 WHERE id = ?"
+                    await batch.execute(sql, (row["id"],))
+                    done += 1
+
+    async def main() -> list[int]:
+        async with latchkey.connect_async(url) as store:
+            queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+            return await asyncio.gather(*(worker(queue) for _ in range(12)))
+
+    assert sum(asyncio.run(main())) == 40
+    assert processed(db, table) == list(range(1, 41))
+    db.close()
+
+
+def test_an_error_in_where_is_the_drivers_own_and_leaves_the_store_usable(
+    store: latchkey.Store, db: AppDB, name: str
+) -> None:
+    table = db.create_events(2)
+    broken = store.rows(table, where="no_such_column IS NULL")
+    for attempt in (
+        lambda: broken.take(limit=1).__enter__(),
+        lambda: broken.lease(limit=1, ttl=5).__enter__(),
+        lambda: broken.status(),
+    ):
+        with pytest.raises(Exception) as caught:
+            attempt()
+        assert not isinstance(caught.value, latchkey.LatchkeyError), caught.value
+        assert "no_such_column" in str(caught.value)
+    for _ in range(10):  # no pooled connection was left inside a transaction
+        lock = store.lock(name, ttl=10, wait=0)
+        assert lock.acquire() and lock.release()
+    with store.rows(table, where="processed_at IS NULL").take(limit=5) as batch:
+        assert len(batch) == 2

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
-from latchkey._types import Busy, Grant, Holder, LockInfo, RowSpec
+from latchkey._types import Busy, Grant, Holder, LockInfo, RowSpec, RowState
 from latchkey._url import Option, StoreURL, read_options
 from latchkey.errors import StoreUnavailable, Unsupported
 
@@ -41,6 +41,8 @@ from latchkey.errors import StoreUnavailable, Unsupported
 LeasedRows = list[tuple[dict[str, Any], Grant]]
 #: The rows an application statement produced.
 RowTuples = list[tuple[Any, ...]]
+#: ``rows_status``'s answer.
+RowStates = list[RowState]
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ class Backend(BackendBase, abc.ABC):
         """The application's statement, in its own short transaction (autocommit)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
-    def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+    def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         """Up to ``limit`` due rows with their lease and lock state (``RowState``)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
@@ -429,7 +431,7 @@ class AsyncBackend(BackendBase, abc.ABC):
     async def rows_execute(self, sql: str, params: Any) -> RowTuples:
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
-    async def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+    async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def subscribe(self, name: str) -> AsyncWaiter | None:

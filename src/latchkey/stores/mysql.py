@@ -63,6 +63,9 @@ class Duplicate(Refused):
 
 
 REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
+#: Server errors (below 2000: the server answered) that still end the session: shutdown,
+#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
+SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
 
 # {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
 # make that safe when many processes start at once.

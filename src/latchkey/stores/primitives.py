@@ -25,6 +25,7 @@ meaning to (a duplicate key, a lost deadlock), the driver maps the rest to Store
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -39,6 +40,7 @@ from latchkey.stores.base import (
     BackendBase,
     Capabilities,
     LeasedRows,
+    RowStates,
     RowTuples,
 )
 from latchkey.stores.io import Steps
@@ -222,10 +224,13 @@ class StoreBackend(Backend):
     def rows_take(self, spec: RowSpec, limit: int) -> Any:
         rows = self._rows()
         pin = self.io.pin()  # type: ignore[attr-defined]
-        try:
-            taken = pin.run(rows.rows_take(spec, limit), "take rows")
+        try:  # ``where`` and ``order_by`` are the application's SQL: its errors are its own
+            taken = pin.run(rows.rows_take(spec, limit), "take rows", user=True)
         except BaseException:
-            pin.release(False)
+            if not pin.broken:  # the application's SQL failed: end the transaction
+                with contextlib.suppress(Exception):
+                    pin.run(rows.rows_end(False), "rollback")
+            pin.release(not pin.broken)
             raise
         from latchkey.stores.rows_sql import Taken
 
@@ -236,15 +241,15 @@ class StoreBackend(Backend):
     ) -> LeasedRows:
         rows = self._rows()
         steps = rows.rows_lease(spec, owner, owner_info, ttl, limit)
-        return self._pinned(steps, "lease rows")  # type: ignore[no-any-return]
+        return self._pinned(steps, "lease rows", user=True)  # type: ignore[no-any-return]
 
     def rows_execute(self, sql: str, params: Any) -> RowTuples:
         steps = self._rows().rows_execute(sql, params)
         return self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
 
-    def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+    def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         steps = self._rows().rows_status(spec, limit)
-        return self._pinned(steps, "read rows")  # type: ignore[no-any-return]
+        return self._pinned(steps, "read rows", user=True)  # type: ignore[no-any-return]
 
     def _rows(self) -> RowClaims:
         if not self.capabilities.rows:
@@ -252,15 +257,14 @@ class StoreBackend(Backend):
         return self.store  # type: ignore[return-value]
 
     def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
-        """Steps on a connection of their own (they send Statement requests), then back."""
+        """Autocommit steps on a connection of their own (they send Statement requests),
+        then back to the pool unless something broke it. ``user``: the statements hold the
+        application's SQL, whose errors are raised as the driver's own."""
         pin = self.io.pin()  # type: ignore[attr-defined]
-        ok = False
         try:
-            result = pin.run(steps, action, user)
-            ok = True
-            return result
+            return pin.run(steps, action, user)
         finally:
-            pin.release(ok)
+            pin.release(not pin.broken)
 
     def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
         return self.io.run(self.store.wait_in_line(name, owner, owner_info, ttl, limit), "wait")
@@ -366,9 +370,12 @@ class AsyncStoreBackend(AsyncBackend):
         rows = self._rows()
         pin = await self.io.pin()  # type: ignore[attr-defined]
         try:
-            taken = await pin.run(rows.rows_take(spec, limit), "take rows")
+            taken = await pin.run(rows.rows_take(spec, limit), "take rows", user=True)
         except BaseException:
-            await pin.release(False)
+            if not pin.broken:
+                with contextlib.suppress(Exception):
+                    await pin.run(rows.rows_end(False), "rollback")
+            await pin.release(not pin.broken)
             raise
         from latchkey.stores.rows_sql import AsyncTaken
 
@@ -378,15 +385,15 @@ class AsyncStoreBackend(AsyncBackend):
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> LeasedRows:
         steps = self._rows().rows_lease(spec, owner, owner_info, ttl, limit)
-        return await self._pinned(steps, "lease rows")  # type: ignore[no-any-return]
+        return await self._pinned(steps, "lease rows", user=True)  # type: ignore[no-any-return]
 
     async def rows_execute(self, sql: str, params: Any) -> RowTuples:
         steps = self._rows().rows_execute(sql, params)
         return await self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
 
-    async def rows_status(self, spec: RowSpec, limit: int) -> RowTuples:
+    async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         steps = self._rows().rows_status(spec, limit)
-        return await self._pinned(steps, "read rows")  # type: ignore[no-any-return]
+        return await self._pinned(steps, "read rows", user=True)  # type: ignore[no-any-return]
 
     def _rows(self) -> RowClaims:
         if not self.capabilities.rows:
@@ -395,13 +402,10 @@ class AsyncStoreBackend(AsyncBackend):
 
     async def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
         pin = await self.io.pin()  # type: ignore[attr-defined]
-        ok = False
         try:
-            result = await pin.run(steps, action, user)
-            ok = True
-            return result
+            return await pin.run(steps, action, user)
         finally:
-            await pin.release(ok)
+            await pin.release(not pin.broken)
 
     async def now(self) -> datetime:
         return await self.io.run(self.store.now(), "clock read")

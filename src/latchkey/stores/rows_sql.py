@@ -145,7 +145,8 @@ class RowClaims:
         sql = f"SELECT {columns} FROM {table}"
         conditions = [f"({spec.where})"] if spec.where else []
         if lease is not None:
-            assert re.fullmatch(r"[0-9a-f]*", lease) and re.fullmatch(r"[\w.]+", spec.table)
+            if not (re.fullmatch(r"[0-9a-f]*", lease) and re.fullmatch(r"[\w.]+", spec.table)):
+                raise ValueError(f"not spliced into SQL: {lease!r}, {spec.table!r}")
             key = f"{table}.{q}{spec.key}{q}"
             name = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key=key)
             live = (
@@ -163,17 +164,21 @@ class RowClaims:
         sql += f" LIMIT {int(limit)}"
         return f"{sql} {lock}" if lock else sql
 
-    def check_skip_locked(self) -> Steps[None]:
-        """MySQL/MariaDB: refuse a take on a server without SKIP LOCKED (asked once)."""
+    def has_skip_locked(self) -> Steps[bool]:
+        """Whether the server has SKIP LOCKED: MySQL/MariaDB are asked their version once."""
         if self.ROWS is not MYSQL:
-            return
+            return bool(self.ROWS.LOCKING)
         known: bool | None = getattr(self, "_skip_locked", None)
         if known is None:
             rows, _ = yield Query("SELECT VERSION()")
             version = str(rows[0][0])
             known = skip_locked_supported(version)
             self._skip_locked, self._server_version = known, version
-        if not known:
+        return known
+
+    def check_skip_locked(self) -> Steps[None]:
+        """Refuse a take on a MySQL/MariaDB server without SKIP LOCKED, naming its version."""
+        if self.ROWS is MYSQL and not (yield from self.has_skip_locked()):
             raise Unsupported(
                 f"{self.scheme} store: take needs SELECT … FOR UPDATE SKIP LOCKED, which this "
                 f"server ({self._server_version}) lacks (MySQL ≥ 8.0.1, MariaDB ≥ 10.6); "
@@ -214,7 +219,7 @@ class RowClaims:
         if not rows:
             return []
         candidates = [dict(zip(columns, row, strict=True)) for row in rows]
-        names = [f"{prefix}{row[spec.key]}" for row in candidates]
+        names = list(dict.fromkeys(f"{prefix}{row[spec.key]}" for row in candidates))
         claim = self.claim(names, owner, owner_info, ttl)  # type: ignore[attr-defined]
         grants: dict[str, Grant] = yield from claim
         if not grants:
@@ -250,7 +255,7 @@ class RowClaims:
         _, leases = yield Statement(lease_sql, tuple(names))
         leased = {bytes(row[0]).decode(): row for row in leases}
         free: set[str] | None = None
-        if d.LOCKING:
+        if d.LOCKING and (yield from self.has_skip_locked()):
             yield Query(d.BEGIN)
             try:
                 select = self.rows_select(key_only, limit, d.LOCKING, None)

@@ -34,7 +34,7 @@ from asyncmy.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
-from latchkey.stores.mysql import REFUSED, Refused, connect_args
+from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused, connect_args
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -189,15 +189,9 @@ async def statement(cur: Any, request: Statement) -> tuple[list[str] | None, lis
 
 
 def user_error(exc: BaseException) -> bool:
-    """As ``pymysql.user_error``: the application's statement failed, the connection is sound."""
-    errors = asyncmy.errors
-    if isinstance(exc, errors.OperationalError) and exc.args:
-        return exc.args[0] in (1205, 1213)
-    return isinstance(
-        exc,
-        errors.ProgrammingError
-        | errors.IntegrityError
-        | errors.DataError
-        | errors.NotSupportedError
-        | Refused,
-    )
+    """As ``pymysql.user_error`` (same error numbers): the application's statement failed,
+    the connection is sound."""
+    if isinstance(exc, Refused):
+        return True
+    code = exc.args[0] if isinstance(exc, asyncmy.errors.MySQLError) and exc.args else None
+    return isinstance(code, int) and code < 2000 and code not in SESSION_ENDING

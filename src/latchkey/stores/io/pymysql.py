@@ -41,7 +41,7 @@ from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
-from latchkey.stores.mysql import REFUSED, Refused
+from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -226,17 +226,13 @@ def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]
     return columns, rows
 
 
-#: Server errors that are the application's statement failing (the transaction is rolled
-#: back by the caller; the connection is sound): SQL, data, constraints, a lost deadlock.
-USER_ERRORS = (
-    pymysql.err.ProgrammingError,
-    pymysql.err.IntegrityError,
-    pymysql.err.DataError,
-    pymysql.err.NotSupportedError,
-)
-
-
 def user_error(exc: BaseException) -> bool:
-    if isinstance(exc, pymysql.err.OperationalError) and exc.args:
-        return exc.args[0] in (1205, 1213)  # lock wait timeout, deadlock
-    return isinstance(exc, (*USER_ERRORS, Refused))
+    """Whether a driver error is the application's statement failing (bad SQL, an unknown
+    column, a constraint, a lost deadlock or lock wait: the server answered with an error of
+    its own, the connection is sound), not the server or the network failing. PyMySQL and
+    asyncmy raise OperationalError for many of the former (1054, unknown column), so the
+    error's number decides: client errors (2000 and up) never are."""
+    if isinstance(exc, Refused):
+        return True
+    code = exc.args[0] if exc.args else None
+    return isinstance(code, int) and code < 2000 and code not in SESSION_ENDING

@@ -122,18 +122,27 @@ class AsyncSQLiteDriver(AsyncDriver):
         return await loop.run_in_executor(self._thread, self._sync.run, steps, action)
 
     async def pin(self) -> AsyncPinned:
-        """A take's connection (the sync driver's), its statements run on a worker thread of
-        the loop's default executor: never on this driver's one thread, where another
-        primitive may be waiting for the take's write lock to end."""
+        """A take's connection (the sync driver's) with a worker thread of its own for its
+        statements: never this driver's one thread, where another primitive may be waiting
+        for the take's write lock, nor a shared executor, whose threads could all be taken
+        by other takes waiting for that lock while this one waits to commit."""
         loop = asyncio.get_running_loop()
-        pinned = await loop.run_in_executor(None, self._sync.pin)
+        thread = ThreadPoolExecutor(1, thread_name_prefix="latchkey-sqlite-take")
+        try:
+            pinned = await loop.run_in_executor(thread, self._sync.pin)
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
 
         async def answer(request: Any) -> Any:
-            return await loop.run_in_executor(None, answer_on, pinned.conn, request)
+            return await loop.run_in_executor(thread, answer_on, pinned.conn, request)
 
         async def give_back(conn: Any, reuse: bool) -> None:
             pinned.broken = not reuse
-            await loop.run_in_executor(None, pinned.release, reuse)
+            try:
+                await loop.run_in_executor(thread, pinned.release, reuse)
+            finally:
+                thread.shutdown(wait=False)
 
         return ThreadPinned(self, pinned.conn, answer, give_back, user_error)
 
