@@ -26,6 +26,7 @@ so). ``table``, ``key`` and ``columns`` are identifiers, validated by the core a
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -111,6 +112,13 @@ def skip_locked_supported(server_version: str) -> bool:
     if "mariadb" in server_version.lower():
         return version >= (10, 6, 0)
     return version >= (8, 0, 1)
+
+
+#: Reads and claims a lease makes at most before an empty batch, when other workers keep
+#: claiming every row it read (each round, the rows they took are no longer candidates).
+LEASE_ROUNDS = 8
+#: The widest window of due rows a contended lease picks from.
+LEASE_WINDOW = 2000
 
 
 class RowClaims:
@@ -229,14 +237,25 @@ class RowClaims:
         hold again and give back those no longer due (finished by another worker between
         the two reads). Autocommit statements: each sees what others committed before it."""
         prefix = f"{spec.table}:"
-        columns, rows = yield Statement(self.rows_select(spec, limit, "", ""))
-        if not rows:
-            return []
-        candidates = [dict(zip(columns, row, strict=True)) for row in rows]
-        names = list(dict.fromkeys(f"{prefix}{row[spec.key]}" for row in candidates))
-        claim = self.claim(names, owner, owner_info, ttl)  # type: ignore[attr-defined]
-        grants: dict[str, Grant] = yield from claim
-        if not grants:
+        window = limit
+        for _ in range(LEASE_ROUNDS):
+            columns, rows = yield Statement(self.rows_select(spec, window, "", ""))
+            if not rows:
+                return []
+            if len(rows) > limit:  # a later round: a random pick, away from the others
+                rows = random.sample(rows, limit)
+            candidates = [dict(zip(columns, row, strict=True)) for row in rows]
+            names = list(dict.fromkeys(f"{prefix}{row[spec.key]}" for row in candidates))
+            claim = self.claim(names, owner, owner_info, ttl)  # type: ignore[attr-defined]
+            grants: dict[str, Grant] = yield from claim
+            if grants:
+                break
+            # Others claimed every candidate between our read and our claim (they all read
+            # the same first rows): read again — their leases now hide those rows — from a
+            # window four times wider, taking a random pick of it, so that many workers
+            # asking at once spread over the due rows instead of colliding again.
+            window = min(window * 4, LEASE_WINDOW)
+        else:
             return []
         columns, rows = yield Statement(self.rows_select(spec, len(grants), "", owner))
         due = {f"{prefix}{row[spec.key]}": row for row in
