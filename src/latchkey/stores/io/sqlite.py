@@ -22,9 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
-from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, adrive
+from latchkey.stores.io.aio import AsyncDriver, AsyncPinned
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -153,7 +152,9 @@ class AsyncSQLiteDriver(AsyncDriver):
             finally:
                 thread.shutdown(wait=False)
 
-        return ThreadPinned(self, pinned.conn, answer, give_back, user_error)
+        # Every call is one hop to the take's thread, bounded by SQLite's own busy timeout: no
+        # second deadline around it.
+        return AsyncPinned(self, pinned.conn, answer, give_back, user_error, bound=False)
 
     async def aclose(self) -> None:
         if self._thread is not None:
@@ -203,25 +204,3 @@ def user_error(exc: BaseException) -> bool:
     """An application statement's own error (bad SQL, a constraint), not a busy database."""
     text = str(exc).lower()
     return isinstance(exc, sqlite3.Error) and "locked" not in text and "busy" not in text
-
-
-class ThreadPinned(AsyncPinned):
-    """A take's SQLite connection for asyncio: every call is one hop to a worker thread, and
-    SQLite's own busy timeout bounds it (no second deadline around it)."""
-
-    async def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
-        if self.conn is None:
-            raise StoreUnavailable(f"{action}: the connection was already given back")
-        try:
-            return await adrive(steps, self._answer)
-        except StoreUnavailable:
-            self.broken = True
-            raise
-        except self.driver.errors as exc:
-            if user and self._user_error(exc):
-                raise
-            self.broken = True
-            self.driver.backend.unavailable(exc, action)
-        except BaseException:
-            self.broken = True
-            raise
