@@ -144,7 +144,8 @@ def run(
             time.monotonic() < warm
             and not recorder.holders()
             and not any(
-                op.result and op.result[0] == "granted" for op in list(recorder.history.ops)
+                isinstance(op.result, tuple) and op.result[:1] == ("granted",)
+                for op in list(recorder.history.ops)
             )
         ):
             time.sleep(0.05)
