@@ -213,6 +213,11 @@ def _inject(
     live = [w for w, p in procs.items() if p.poll() is None]
     if fault.startswith("worker") and not live:
         return
+    started = None if server is None else server.extra.get("chaos_started")
+    if fault in ("restart", "kill") and isinstance(started, float):  # see MIN_LIFE
+        # Before the fault is recorded: the checker ends the leases a restart loses at the
+        # fault's start, so nothing may be granted between that and the restart itself.
+        time.sleep(max(0.0, started + MIN_LIFE - time.monotonic()))
     record = recorder.fault(fault)
     if fault == "latency" and proxy is not None:
         proxy.set("pass", latency=0.05)
@@ -229,9 +234,6 @@ def _inject(
         with server.frozen():  # the server and its children: PostgreSQL's sessions too
             time.sleep(hold)
     elif fault in ("restart", "kill") and server is not None:
-        started = server.extra.get("chaos_started")
-        if isinstance(started, float):  # see MIN_LIFE
-            time.sleep(max(0.0, started + MIN_LIFE - time.monotonic()))
         if fault == "kill":  # the server and its children, as when its machine dies
             tree = server.processes()
             for pid in tree:
