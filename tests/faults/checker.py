@@ -117,7 +117,12 @@ def check(
     are counted). ``ttl_bounded``: False for session-tied locks, which last until released
     (or their session ends), not for a TTL."""
     report = Report()
-    cut_times = sorted(f.start for f in history.faults if f.kind in cuts)
+    # A cut is a window: the store may lose its leases at any moment from the fault's start
+    # until its end (a server told to stop goes on serving until it gets round to stopping:
+    # Redis shuts down from its next cron tick, up to 100 ms after SIGTERM).
+    windows = sorted(
+        (f.start, f.start if f.end is None else f.end) for f in history.faults if f.kind in cuts
+    )
     for fault in history.faults:
         report.faults[fault.kind] = report.faults.get(fault.kind, 0) + 1
     ops = sorted(history.ops, key=lambda op: op.inv)
@@ -143,12 +148,19 @@ def check(
                     cut_leases[lease.lid] = min(gone)
     for items in leases.values():
         for lease in items:
-            # The epoch: how many cuts came before the grant; None if one came during it (the
-            # lease may belong to either side: it is compared with nothing).
-            before = sum(1 for t in cut_times if t <= lease.grant.inv)
-            during = any(lease.grant.inv < t < lease.start for t in cut_times)
+            # The epoch: how many cut windows ended before the grant began; None if one was
+            # open while it was granted (the lease may belong to either side: it is compared
+            # with nothing).
+            before = sum(1 for _, end in windows if end <= lease.grant.inv)
+            during = any(start < lease.start and lease.grant.inv < end for start, end in windows)
             lease.epoch = None if during else before
-            cut = next((t for t in cut_times if lease.grant.inv < t < lease.end), None)
+            # Surely live only until the first window that opened while it lived (from its
+            # start, if it was granted inside the window).
+            cut = next(
+                (max(start, lease.start) for start, end in windows
+                 if lease.grant.inv < end and start < lease.end),
+                None,
+            )  # fmt: skip
             if cut is not None:
                 lease.end = min(lease.end, cut)
                 cut_leases[lease.lid] = min(cut, cut_leases.get(lease.lid, cut))
@@ -168,11 +180,17 @@ def check(
                 f"lost-update: {write.name}: worker {write.worker} (token {write.token}) wrote "
                 f"{write.new} over a value it had not read (it read {write.prev})"
             )
-    since = max((t for t in cut_times), default=float("-inf")) if records_cut else float("-inf")
+    # Records forgotten by a cut: count the updates after the last window opened; those that
+    # began before it closed may or may not have survived it (counted as unknown).
+    last = windows[-1] if records_cut and windows else (float("-inf"), float("-inf"))
     for name in records:
-        updates = [op for op in ops if op.kind == "update" and op.name == name and op.inv > since]
-        done = sum(1 for op in updates if _ok(op))
-        unknown = sum(1 for op in updates if not _ok(op))
+        updates = [
+            op for op in ops
+            if op.kind == "update" and op.name == name and (op.ret or op.inv) > last[0]
+        ]  # fmt: skip
+        sure = [op for op in updates if op.inv > last[1]]
+        done = sum(1 for op in sure if _ok(op))
+        unknown = len(updates) - done
         value = record_values.get(name, 0)
         if not done <= value <= done + unknown:
             report.violations.append(
