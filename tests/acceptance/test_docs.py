@@ -92,13 +92,22 @@ def test_runnable_examples(page: Path, tmp_path: Path) -> None:
     script = script_for(page)
     if "# --- block" not in script:
         pytest.skip(f"{page.name} has no runnable examples")
+    run_examples(script, tmp_path, f"sqlite:///{tmp_path}/locks.db", page.name)
+
+
+def run_examples(
+    script: str, tmp_path: Path, url: str, label: str
+) -> subprocess.CompletedProcess[str]:
+    """Run a page's examples (:func:`script_for`) as one program in a fresh directory, with
+    ``LATCHKEY_URL`` set to ``url`` and every warning an error; fail with its output, else
+    return the finished process."""
     program = tmp_path / "example.py"
     program.write_text(script, encoding="utf-8")
     work = tmp_path / "work"
     work.mkdir()
     env = {
         **os.environ,
-        "LATCHKEY_URL": f"sqlite:///{tmp_path}/locks.db",
+        "LATCHKEY_URL": url,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHONWARNINGS": "error",
     }
@@ -112,8 +121,9 @@ def test_runnable_examples(page: Path, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, (
-        f"{page.name}: an example failed\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        f"{label}: an example failed\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     )
+    return result
 
 
 def test_own_pages_exist_and_are_in_the_nav() -> None:

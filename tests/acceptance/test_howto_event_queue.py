@@ -9,8 +9,6 @@ fails if the page's code breaks or its exactly-once checks do not hold.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from tests import servers
-from tests.acceptance.test_docs import DOCS, script_for
+from tests.acceptance.test_docs import DOCS, run_examples, script_for
 
 PAGE = DOCS / "howto" / "event-queue-daemons.md"
 STORES = ["postgresql", "mysql", "sqlite"]
@@ -77,27 +75,6 @@ def events_url(
 
 @pytest.mark.parametrize("events_url", STORES, indirect=True)
 def test_event_queue_howto_runs(events_url: str, tmp_path: Path) -> None:
-    program = tmp_path / "example.py"
-    program.write_text(script_for(PAGE), encoding="utf-8")
-    work = tmp_path / "work"
-    work.mkdir()
-    env = {
-        **os.environ,
-        "LATCHKEY_URL": events_url,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONWARNINGS": "error",
-    }
-    result = subprocess.run(
-        [sys.executable, str(program)],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert result.returncode == 0, (
-        f"{PAGE.name} on {events_url.split(':', 1)[0]}: an example failed\n"
-        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-    )
+    label = f"{PAGE.name} on {events_url.split(':', 1)[0]}"
+    result = run_examples(script_for(PAGE), tmp_path, events_url, label)
     assert "200 events processed, 200 distinct" in result.stdout

@@ -6,7 +6,6 @@ import multiprocessing
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,23 +17,6 @@ from tests.multiprocess import workers
 
 pytestmark = pytest.mark.requires("multiprocess")
 ctx = multiprocessing.get_context("spawn")
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Any]]:
-    started: list[Any] = []
-
-    def start(target: Callable[..., Any], *args: Any) -> Any:
-        proc = ctx.Process(target=target, args=args, daemon=True)
-        proc.start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
 
 
 def _join_all(procs: list[Any], timeout: float = 300) -> None:

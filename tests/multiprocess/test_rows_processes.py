@@ -5,7 +5,6 @@ per-row fencing tokens for ``lease``, under kills too."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 from collections import Counter, defaultdict
@@ -19,7 +18,6 @@ from tests.appdb import ROW_STORES, AppDB
 from tests.helpers import eventually
 from tests.multiprocess import rows_workers
 
-ctx = multiprocessing.get_context("spawn")
 EVENTS = 240
 WORKERS = 5
 
@@ -33,23 +31,6 @@ def db(store_row: servers.StoreRow, store_url: str) -> Iterator[AppDB]:
         yield app
     finally:
         app.close()
-
-
-@pytest.fixture
-def spawn() -> Iterator[Callable[..., Any]]:
-    started: list[Any] = []
-
-    def start(target: Callable[..., Any], *args: Any) -> Any:
-        proc = ctx.Process(target=target, args=args, daemon=True)
-        proc.start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
 
 
 def run_round(
