@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import Any
 
+import consensus  # noqa: F401  (the consensus and cluster stores' subjects register too)
 from subjects import TTL, Handle, Spec, register
 
 
@@ -190,6 +191,10 @@ PEERS = [
      lambda env: SherlockMC(env["memcached"])),
     ("memcached/tooz", "memcached", "tooz memcached", "tooz",
      lambda env: Tooz(env["memcached"])),
+    ("etcd/tooz", "etcd", "tooz etcd3gw", "etcd3gw",
+     lambda env: Tooz(env["etcd"].replace("etcd://", "etcd3+http://", 1))),
+    ("zookeeper/tooz", "zookeeper", "tooz zookeeper (kazoo Lock)", "kazoo",
+     lambda env: Tooz(env["zookeeper"])),
     ("local/tooz-file", "local", "tooz file", "tooz",
      lambda env: Tooz(f"file://{env['tmp']}/tooz")),
     ("local/filelock", "local", "filelock", "filelock",

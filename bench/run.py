@@ -2,7 +2,8 @@
 """latchkey benchmarks: latchkey vs the raw client doing the same round trips vs peer libraries.
 
     bench/setup.sh                       # once: bench/.venv with latchkey, drivers and peers
-    bench/.venv/bin/python bench/run.py [--stores redis,postgresql,mysql,memcached,sqlite]
+    bench/.venv/bin/python bench/run.py [--stores redis,postgresql,mysql,memcached,sqlite
+        |etcd,zookeeper,redis+cluster,redis+sentinel]
         [--scenarios A,B,C,D,claim] [--peers] [--quick] [--rounds N] [--out results.json]
     bench/.venv/bin/python bench/run.py --roundtrips   # server-side commands per acquire+release
 
@@ -38,6 +39,8 @@ import servers  # noqa: E402
 
 DASH, TIMES = "\u2013", "\u00d7"
 FAMILIES = ["redis", "postgresql", "mysql", "memcached", "sqlite"]
+#: The consensus and cluster stores (issue 16): run when named in --stores.
+CONSENSUS = ["etcd", "zookeeper", "redis+cluster", "redis+sentinel"]
 FAMILY_OF = {"postgresql+advisory": "postgresql", "mysql+getlock": "mysql", "local": "sqlite"}
 
 
@@ -143,7 +146,7 @@ def table(summaries: dict[str, dict[str, Any]], specs: list[Spec], wanted: list[
     heads = {"A": "A pairs/s", "B": "B hand-off median (p90)", "C": "C acq/s (min/max per proc)",
              "D": "D 1,000 names: acquire + release"}  # fmt: skip
     lines = []
-    for fam in FAMILIES:
+    for fam in FAMILIES + CONSENSUS:
         rows = [s for s in specs if family(s) == fam]
         if not rows:
             continue
@@ -204,6 +207,32 @@ TARGETS = [
      ">=", 0.9),
     ("4", "memcached A: latchkey / raw add + delete", ("memcached/latchkey", "A"),
      ("memcached/raw", "A"), ">=", 0.9),
+    ("16", "etcd A: latchkey / its grant, transaction and revoke sent bare (httpx)",
+     ("etcd/latchkey", "A"), ("etcd/raw-same", "A"), ">=", 0.9),
+    ("ref", "etcd A: latchkey / raw grant, one-key txn, revoke", ("etcd/latchkey", "A"),
+     ("etcd/raw", "A"), ">=", 0.9),
+    ("16", "etcd A: latchkey / tooz etcd3gw", ("etcd/latchkey", "A"), ("etcd/tooz", "A"),
+     ">=", 1.0),
+    ("ref", "etcd B: latchkey / raw watch hand-off", ("etcd/latchkey", "B"), ("etcd/raw", "B"),
+     "<=", 1.2),
+    ("16", "etcd B: latchkey / tooz etcd3gw", ("etcd/latchkey", "B"), ("etcd/tooz", "B"),
+     "<=", 1.0),
+    ("16", "zookeeper A: latchkey / its two batches sent bare (kazoo)",
+     ("zookeeper/latchkey", "A"), ("zookeeper/raw", "A"), ">=", 0.9),
+    ("16", "zookeeper A: latchkey / tooz zookeeper", ("zookeeper/latchkey", "A"),
+     ("zookeeper/tooz", "A"), ">=", 1.0),
+    ("ref", "zookeeper B: latchkey / kazoo Lock recipe", ("zookeeper/latchkey", "B"),
+     ("zookeeper/kazoo-lock", "B"), "<=", 1.2),
+    ("16", "zookeeper B: latchkey / tooz zookeeper", ("zookeeper/latchkey", "B"),
+     ("zookeeper/tooz", "B"), "<=", 1.0),
+    ("16", "redis+cluster A: latchkey / its scripts by EVALSHA (RedisCluster)",
+     ("redis+cluster/latchkey", "A"), ("redis+cluster/raw", "A"), ">=", 0.9),
+    ("ref", "redis+cluster B: latchkey / raw BLPOP wake-up", ("redis+cluster/latchkey", "B"),
+     ("redis+cluster/raw-blpop", "B"), "<=", 1.2),
+    ("16", "redis+sentinel A: latchkey / its scripts by EVALSHA (master_for)",
+     ("redis+sentinel/latchkey", "A"), ("redis+sentinel/raw", "A"), ">=", 0.9),
+    ("ref", "redis+sentinel B: latchkey / raw BLPOP wake-up", ("redis+sentinel/latchkey", "B"),
+     ("redis+sentinel/raw-blpop", "B"), "<=", 1.2),
 ]  # fmt: skip
 
 
@@ -247,6 +276,8 @@ def targets(summaries: dict[str, dict[str, Any]], raw: dict[str, Any],
             alternating: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
     out = []
     for issue, text, (nk, ns), (dk, ds), op, bound in TARGETS:
+        if nk not in summaries and text not in alternating:
+            continue  # a store not in this run
         num = metric(summaries.get(nk, {}).get(ns), ns)
         den = metric(summaries.get(dk, {}).get(ds), ds)
         ratios = paired(raw, nk, dk, ns)
@@ -346,7 +377,7 @@ def versions() -> dict[str, str]:
 
     names = ["latchkey", "redis", "psycopg", "PyMySQL", "pymemcache", "python-redis-lock",
              "pottery", "sherlock", "tooz", "pals", "SQLAlchemy", "psycopg2-binary", "filelock",
-             "portalocker", "pylibmc"]  # fmt: skip
+             "portalocker", "pylibmc", "httpx", "kazoo", "etcd3gw"]  # fmt: skip
     out = {}
     for name in names:
         try:
@@ -363,7 +394,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--stores", default=",".join(FAMILIES), help="families: " + ",".join(FAMILIES))
+    ap.add_argument("--stores", default=",".join(FAMILIES),
+                    help="families: " + ",".join(FAMILIES + CONSENSUS))  # fmt: skip
     ap.add_argument("--scenarios", default="A,B,C,D,claim")
     ap.add_argument("--peers", action="store_true", help="also measure the peer libraries")
     ap.add_argument("--only", default="", help="comma-separated subject keys (e.g. redis/latchkey)")
@@ -379,9 +411,9 @@ def main() -> int:
         return report(Path(args.report))
 
     families = [f.strip() for f in args.stores.split(",") if f.strip()]
-    unknown = [f for f in families if f not in FAMILIES]
+    unknown = [f for f in families if f not in FAMILIES + CONSENSUS]
     if unknown:
-        ap.error(f"unknown store family {unknown}; choose from {FAMILIES}")
+        ap.error(f"unknown store family {unknown}; choose from {FAMILIES + CONSENSUS}")
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     quick = args.quick
     cfg = {

@@ -25,6 +25,10 @@ FAMILY_SERVERS = {
     "mysql": ["mysql"],
     "memcached": ["memcached"],
     "sqlite": [],
+    "etcd": ["etcd"],
+    "zookeeper": ["zookeeper"],
+    "redis+cluster": ["redis_cluster"],
+    "redis+sentinel": ["redis_sentinel"],
 }
 
 

@@ -78,9 +78,43 @@ APIS = [a for a in os.environ.get("LATCHKEY_TEST_APIS", "sync,async").split(",")
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "store_row" in metafunc.fixturenames:
-        metafunc.parametrize("store_row", ROWS, ids=[row.id for row in ROWS])
+        # A module may name the rows it runs on (``STORE_ROWS = {"sqlite", "redis"}``): for
+        # tests of the core that need a real store or two, not every store.
+        only = getattr(metafunc.module, "STORE_ROWS", None)
+        rows = [row for row in ROWS if only is None or row.id in only]
+        metafunc.parametrize("store_row", rows, ids=[row.id for row in rows])
     if "api" in metafunc.fixturenames:
         metafunc.parametrize("api", APIS)
+
+
+#: Store-specific modules and the server kind they use (for --dist loadgroup, below).
+MODULE_SERVER = {
+    "test_postgresql_specific": "postgresql",
+    "test_mysql_specific": "mysql",
+    "test_redis_specific": "redis",
+    "test_redis_cluster_specific": "redis_cluster",
+    "test_memcached_specific": "memcached",
+    "test_mongodb_specific": "mongodb",
+    "test_etcd_specific": "etcd",
+    "test_zookeeper_specific": "zookeeper",
+    "test_fastapi": "redis",
+    "test_celery": "redis",
+    "test_django": "postgresql",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n N --dist loadgroup``, as scripts/test runs the suite) every
+    test of one server kind runs on one worker, so each worker starts only the servers of its
+    groups, once; tests without a server spread over every worker."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        row = callspec.params.get("store_row") if callspec is not None else None
+        group = row.server if row is not None else MODULE_SERVER.get(item.path.stem)
+        if item.path.parent.name == "failover":  # clusters of their own: one at a time
+            group = "failover"
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _unavailable(row: servers.StoreRow, reason: str) -> None:

@@ -19,6 +19,7 @@ from latchkey._claim import Claim
 from latchkey._core.store import Health
 from latchkey._durations import Duration, parse_duration
 from latchkey._lock import Lock, Semaphore
+from latchkey._observe import disable_metrics, disable_tracing, enable_metrics, enable_tracing
 from latchkey._owner import Owner
 from latchkey._record import Record
 from latchkey._rows import LeaseBatch, Rows, TakeBatch
@@ -105,6 +106,10 @@ __all__ = [
     "__version__",
     "connect",
     "connect_async",
+    "disable_metrics",
+    "disable_tracing",
+    "enable_metrics",
+    "enable_tracing",
     "errors",
     "parse_duration",
 ]

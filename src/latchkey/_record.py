@@ -11,6 +11,7 @@ from latchkey._run import run
 if TYPE_CHECKING:
     from latchkey._store import Store
 
+
 class Record(RecordCore):
     """A JSON value with a version that increases by one on every write.
 

@@ -6,19 +6,24 @@ is carried out (a call or an await, ``time.sleep`` or ``asyncio.sleep``, a threa
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from latchkey._core.ops import CALL, RENEW, SLEEP, UNRENEW, USER, Steps
+from latchkey import _observe
+from latchkey._core.ops import BACKGROUND, CALL, RENEW, SLEEP, UNRENEW, USER, Steps
+from latchkey.errors import LatchkeyError
 
 if TYPE_CHECKING:
     from latchkey._core.lease import LeaseCore
     from latchkey.stores.base import Backend
 
 T = TypeVar("T")
+log = logging.getLogger("latchkey")
 
 
 def run(steps: Steps[T], backend: Backend) -> T:
@@ -26,6 +31,7 @@ def run(steps: Steps[T], backend: Backend) -> T:
     raised by an operation is thrown into the generator (so its ``finally`` can clean up)."""
     value: Any = None
     error: BaseException | None = None
+    timer = _observe.timer  # store round trips are timed while metrics are on
     while True:
         try:
             op = steps.send(value) if error is None else steps.throw(error)
@@ -35,7 +41,14 @@ def run(steps: Steps[T], backend: Backend) -> T:
         try:
             kind, target, method, args = op
             if kind == CALL:  # the common case, inline
-                value = getattr(backend if target is None else target, method)(*args)
+                if timer is None or target is not None:  # a waiter's wait is no round trip
+                    value = getattr(backend if target is None else target, method)(*args)
+                else:
+                    started = perf_counter()
+                    try:
+                        value = getattr(backend, method)(*args)
+                    finally:
+                        timer(backend, method, perf_counter() - started)
             else:
                 value = _do(kind, target, args, backend)
         except BaseException as exc:
@@ -58,7 +71,32 @@ def _do(kind: int, target: Any, args: tuple[Any, ...], backend: Backend) -> Any:
         if renewer is not None:
             renewer.stop()
         return None
+    if kind == BACKGROUND:
+        threading.Thread(
+            target=_quietly, args=(target, backend), name="latchkey-give-back", daemon=True
+        ).start()
+        return None
     raise AssertionError(f"unknown operation {kind!r}")
+
+
+def _quietly(steps: Steps[Any], backend: Backend) -> None:
+    try:
+        run(steps, Closed(backend))  # type: ignore[arg-type]
+    except Exception:  # a give-back that fails: the lease ends by its TTL as it would have
+        log.debug("giving back in the background failed", exc_info=True)
+
+
+class Closed:
+    """A backend as a background give-back sees it: once the store is closed, every call
+    raises, which ends the give-back (it opens no connection on a closed store)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        if getattr(self._backend, "latchkey_closed", False):
+            raise LatchkeyError("the store was closed")
+        return getattr(self._backend, name)
 
 
 def _stopper(stop: threading.Event) -> Callable[[object], None]:
@@ -68,9 +106,10 @@ def _stopper(stop: threading.Event) -> Callable[[object], None]:
 
 class Renewer:
     """The background renewer of a ``renew=True`` lease: one daemon thread that runs the
-    lease's renewal step (``LeaseCore._renew_step``) every ttl/3 until it is stopped or the
-    lease is lost. It holds only a weak reference to the lease, so a forgotten lock object is
-    not kept alive by its renewer, and its collection stops the thread."""
+    lease's renewal step (``LeaseCore._renew_step``) every third of the lease the store granted
+    (``LeaseCore._renew_interval``: the TTL, or less) until it is stopped or the lease is lost.
+    It holds only a weak reference to the lease, so a forgotten lock object is not kept alive
+    by its renewer, and its collection stops the thread."""
 
     def __init__(self, lease: LeaseCore, backend: Backend) -> None:
         self._stop = threading.Event()
@@ -78,7 +117,7 @@ class Renewer:
         self._backend = backend
         self._thread = threading.Thread(
             target=self._run,
-            args=(lease.ttl / 3,),
+            args=(lease._renew_interval(),),
             name=f"latchkey-renew:{lease.name[:40]}",
             daemon=True,
         )

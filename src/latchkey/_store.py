@@ -21,7 +21,8 @@ from latchkey._record import Record
 from latchkey._rows import Rows
 from latchkey._run import run
 from latchkey._types import LockInfo
-from latchkey.stores import Backend, open_backend
+from latchkey.errors import ConfigError
+from latchkey.stores import Backend, open_backend, open_client_backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,13 +39,42 @@ def default_url() -> str:
     return f"sqlite:///{path}"
 
 
-def connect(url: str | None = None) -> Store:
+def connect(
+    url: str | None = None,
+    *,
+    client: Any = None,
+    url_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Store:
     """Open a store by URL (default: ``LATCHKEY_URL``, else embedded SQLite in the user's
-    state directory, ``$XDG_STATE_HOME/latchkey/locks.db``). Connects lazily.
+    state directory, ``$XDG_STATE_HOME/latchkey/locks.db``), or over a ``client`` the
+    application already holds (a ``redis.Redis``, …: see :doc:`/howto/your-own-client`), which
+    latchkey borrows from and never closes. Connects lazily.
 
-    Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option.
+    Options the URL's query would carry (``timeout``, ``table``, ``prefix``…) may also be
+    given as keyword arguments or as a ``url_options`` mapping, validated alike.
+
+    Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option, for both a URL and
+    a client, and for a client latchkey cannot use (naming its type and what is accepted).
+
+    .. versionchanged:: 0.2 ``client``, ``url_options`` and keyword options.
     """
-    return Store(open_backend(url if url is not None else default_url()))
+    merged = _options(url_options, options)
+    if client is not None:
+        if url is not None:
+            raise ConfigError("latchkey.connect(): give a URL or a client, not both")
+        return Store(open_client_backend(client, merged))
+    return Store(open_backend(url if url is not None else default_url(), merged))
+
+
+def _options(url_options: Mapping[str, Any] | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``url_options`` and the keyword options together; an option in both: ConfigError."""
+    merged = dict(url_options or {})
+    for key, value in options.items():
+        if key in merged:
+            raise ConfigError(f"store option {key!r} is given twice (keyword and url_options)")
+        merged[key] = value
+    return merged
 
 
 class Store(StoreCore[Lock, Semaphore, Claim, Record]):
@@ -84,7 +114,7 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
 
     def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""
-        return self.backend.purge_expired()
+        return int(run(self._purge(), self.backend))
 
     # -- rows of the application's own table -------------------------------------------------
 
@@ -177,6 +207,7 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
 
     def close(self) -> None:
         """Close connections. Session-tied locks (advisory, GET_LOCK) end with them."""
+        self.backend.latchkey_closed = True  # type: ignore[attr-defined]  # see _run.Closed
         self.backend.close()
 
     def __enter__(self) -> Store:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
@@ -58,17 +58,27 @@ class StoreURL:
             query[key] = value
         return cls(scheme, username, password, hosts, unquote(parts.path), query, url)
 
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The password and the values of query options that hold one (``sslpassword``,
+        ``tlsCertificateKeyFilePassword``…): never shown."""
+        found = [v for k, v in self.query.items() if _secret(k) and v]
+        return tuple(s for s in (self.password, *found) if s)
+
     def redacted(self) -> str:
         """The URL as given, with any password replaced by ``***``."""
-        return _mask_text(self.raw, self.password)
+        masked = _mask_text(self.raw, self.password)
+        for secret in self.secrets:
+            masked = masked.replace(quote(secret, safe=""), "***").replace(secret, "***")
+        return masked
 
     def __str__(self) -> str:
         return self.redacted()
 
     def scrub(self, text: str) -> str:
-        """Remove this URL's password from ``text`` (driver error messages, say)."""
-        if self.password:
-            text = text.replace(self.password, "***").replace(quote(self.password), "***")
+        """Remove this URL's passwords from ``text`` (driver error messages, say)."""
+        for secret in self.secrets:
+            text = text.replace(secret, "***").replace(quote(secret), "***")
         return text
 
     @property
@@ -96,6 +106,12 @@ def _parse_host(text: str, url: str) -> tuple[str, int | None]:
 
 
 _USERINFO = re.compile(r"(://[^/@:]*:)([^/@]*)@")
+
+
+def _secret(key: str) -> bool:
+    """A query option whose value is a secret (``sslpassword``, ``oauth_client_secret``…)."""
+    key = key.lower()
+    return "password" in key or "secret" in key or key.startswith("scram_")
 
 
 def _mask_text(text: str, password: str | None = None) -> str:
@@ -169,21 +185,61 @@ COMMON_OPTIONS: Mapping[str, Option] = {
 }
 
 
-def read_options(url: StoreURL, spec: Mapping[str, Option]) -> dict[str, Any]:
-    """Validate ``url``'s query against ``spec`` (plus the common options).
+@dataclass(frozen=True)
+class DriverOptions:
+    """The options a store's driver reads in its own connection strings, passed through to it
+    (``?connect_timeout=5&application_name=worker`` for libpq). ``check(key, text)`` is asked
+    only for an option latchkey does not know itself: it returns the value to pass, raises
+    KeyError if the driver does not know the option either, ValueError if the value is bad.
+    ``where`` says where the driver's options are documented. They land in
+    ``config["driver"]``."""
+
+    check: Callable[[str, str], Any]
+    where: str
+
+
+def known_to(names: Callable[[], Collection[str]]) -> Callable[[str, str], str]:
+    """A ``DriverOptions.check`` for a driver whose options are a list of names."""
+
+    def check(key: str, text: str) -> str:
+        if key not in names():
+            raise KeyError(key)
+        return text
+
+    return check
+
+
+def read_options(
+    url: StoreURL, spec: Mapping[str, Option], driver: DriverOptions | None = None
+) -> dict[str, Any]:
+    """Validate ``url``'s query against ``spec`` (plus the common options), passing the
+    driver's own options through (see :class:`DriverOptions`).
 
     Unknown options and unreadable values raise :class:`ConfigError` naming them.
     """
     allowed = {**COMMON_OPTIONS, **spec}
-    values = {name: opt.default for name, opt in allowed.items()}
+    values: dict[str, Any] = {name: opt.default for name, opt in allowed.items()}
+    passed: dict[str, Any] = {}
+    values["driver"] = passed
     for key, text in url.query.items():
+        if key not in allowed and driver is not None:
+            try:
+                passed[key] = driver.check(key, text)
+                continue
+            except KeyError:
+                pass  # unknown to the driver too: said below
+            except (ValueError, ConfigError) as exc:
+                shown = "***" if _secret(key) else repr(text)
+                raise ConfigError(f"{url.scheme} store: option {key}={shown}: {exc}") from None
         if key not in allowed:
             known = ", ".join(sorted(allowed)) or "none"
+            also = f"; also {driver.where}" if driver is not None else ""
             raise ConfigError(
-                f"{url.scheme} store: unknown URL option {key!r} (known options: {known})"
+                f"{url.scheme} store: unknown URL option {key!r} (known options: {known}{also})"
             )
         try:
             values[key] = allowed[key].parse(text)
         except (ValueError, ConfigError) as exc:
-            raise ConfigError(f"{url.scheme} store: option {key}={text!r}: {exc}") from None
+            shown = "***" if _secret(key) else repr(text)
+            raise ConfigError(f"{url.scheme} store: option {key}={shown}: {exc}") from None
     return values

@@ -175,14 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.closing(connect(getattr(args, "url", None))) as store:
             handler = globals()[f"cmd_{args.command}"]
             return int(handler(args, store))
-    except (ConfigError, InvalidName, InvalidValue) as exc:
-        return _fail(EX_CONFIG, str(exc))
+    except (ConfigError, InvalidName, InvalidValue, Unsupported) as exc:
+        # Unsupported: the store chosen by the URL cannot do this, a config matter
+        return _fail(EX_CONFIG, str(exc), args)
     except StoreUnavailable as exc:
-        if args.command == "check" and args.json:  # scripts read stdout: say it there too
-            print(json.dumps({"url": _redacted_url(args), "ok": False, "error": str(exc)}))
-        return _fail(EX_UNAVAILABLE, str(exc))
-    except Unsupported as exc:  # the store chosen by the URL cannot do this: a config matter
-        return _fail(EX_CONFIG, str(exc))
+        return _fail(EX_UNAVAILABLE, str(exc), args)
     except LatchkeyError as exc:
         return _fail(EX_SOFTWARE, str(exc))
     except KeyboardInterrupt:
@@ -201,9 +198,13 @@ def _glue_values(words: list[str]) -> list[str]:
     while i < len(words):
         word = words[i]
         following = words[i + 1] if i + 1 < len(words) else None
-        if following is not None and following.startswith("-") and (
-            word in _VALUE_OPTIONS
-            or (word == "--watch" and following[1:2].isdigit())  # its value is optional
+        if (
+            following is not None
+            and following.startswith("-")
+            and (
+                word in _VALUE_OPTIONS
+                or (word == "--watch" and following[1:2].isdigit())  # its value is optional
+            )
         ):
             out.append(f"{word}={following}")
             i += 2
@@ -223,7 +224,10 @@ def _redacted_url(args: argparse.Namespace) -> str | None:
         return None
 
 
-def _fail(code: int, message: str) -> int:
+def _fail(code: int, message: str, args: argparse.Namespace | None = None) -> int:
+    """Say ``message`` on stderr; ``check --json`` says it on stdout too (scripts read it)."""
+    if args is not None and args.command == "check" and getattr(args, "json", False):
+        print(json.dumps({"url": _redacted_url(args), "ok": False, "error": message}))
     print(f"latchkey: {message}", file=sys.stderr)
     return code
 

@@ -242,6 +242,15 @@ def test_check_json_says_unreachable_on_stdout(env: dict[str, str]) -> None:
     assert "unavailable" in data["error"] or "failed" in data["error"]
 
 
+def test_check_json_says_a_bad_url_on_stdout(env: dict[str, str]) -> None:
+    url = "postgresql://app:s3cret@127.0.0.1:1/db?bogus=1"
+    result = latchkey({**env, "LATCHKEY_URL": url}, "check", "--json")
+    assert result.returncode == 78
+    data = json.loads(result.stdout)
+    assert data["ok"] is False and "bogus" in data["error"]
+    assert "s3cret" not in result.stdout + result.stderr
+
+
 def test_kill_after_takes_a_duration(env: dict[str, str]) -> None:
     result = latchkey(env, "run", "x", "--kill-after", "soon", "--", "true")
     assert result.returncode == 78 and "--kill-after" in result.stderr

@@ -42,6 +42,7 @@ OWN_PAGES = [
     "howto/scheduled-task-and-json-merge.md",
     "howto/deploy-migrations.md",
     "howto/asyncio.md",
+    "howto/production.md",
     "concepts/architecture.md",
     "concepts/leases-and-fencing.md",
     "concepts/waiting.md",

@@ -62,6 +62,19 @@ def test_url_options_reach_pymongo() -> None:
         b.close()
 
 
+def test_any_pymongo_option_passes_and_wins_over_timeout() -> None:
+    b = _open(
+        "mongodb://127.0.0.1:1/app?timeout=4s&serverSelectionTimeoutMS=700&maxIdleTimeMS=9000"
+    )
+    try:
+        options = b.io.client.options
+        assert options.server_selection_timeout == 0.7  # the URL's own
+        assert options.pool_options.connect_timeout == 4.0  # from ?timeout=
+        assert options.pool_options.max_idle_time_seconds == 9.0
+    finally:
+        b.close()
+
+
 def test_defaults_and_an_explicit_write_concern() -> None:
     b = _open("mongodb://127.0.0.1:1?w=1")
     try:
@@ -81,6 +94,8 @@ def test_defaults_and_an_explicit_write_concern() -> None:
         "mongodb://h?collection=has-dash",
         "mongodb://h?unknown=1",
         "mongodb://h?tls=maybe",
+        "mongodb://h?serverSelectionTimeoutMS=soon",
+        "mongodb://h?tz_aware=false",  # the store depends on it
         "mongodb+srv://h:27017/x",  # SRV URLs carry no port
         "mongodb://user:s3cret@h?timeout=soon",
     ],

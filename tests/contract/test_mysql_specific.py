@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -25,7 +26,8 @@ import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
-from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend, connect_args
+from latchkey.stores.io.mysql_dsn import connect_args
+from latchkey.stores.mysql import AsyncMySQLBackend, MySQLBackend
 from latchkey.stores.mysql_getlock import (
     MAX_WAIT,
     WAIT_LOCK,
@@ -1246,3 +1248,53 @@ def test_async_aclose_ends_a_wait_in_progress(base: str) -> None:
     finally:
         root.close()
         other.close()
+
+
+@pytest.mark.parametrize("kind", ["mysql", "mysql+getlock"])
+@pytest.mark.parametrize("mode", ["sync", "asyncio"])
+def test_driver_options_in_the_url_reach_the_connection(
+    table_url: str, base: str, kind: str, mode: str
+) -> None:
+    """PyMySQL's own options pass through (issue 15): an ``init_command`` runs on every
+    connection latchkey opens, seen here from outside as the named lock it takes."""
+    marker = f"lk-init-{uuid.uuid4().hex[:8]}"
+    url = table_url if kind == "mysql" else with_query(replace_scheme(base, kind), prefix="t:")
+    url = with_query(url, init_command=f"DO GET_LOCK('{marker}', 0)", connect_timeout="3",
+                     program_name="lk-test")  # fmt: skip
+    with _root(table_url) as outside:
+
+        def held() -> bool:
+            with outside.cursor() as cur:
+                cur.execute("SELECT IS_USED_LOCK(%s)", (marker,))
+                return cur.fetchone()[0] is not None
+
+        if mode == "sync":
+            with latchkey.connect(url) as store, store.lock("n", ttl="30s"):
+                assert held()
+        else:
+
+            async def body() -> bool:
+                async with latchkey.connect_async(url) as store, store.lock("n", ttl="30s"):
+                    return held()
+
+            assert asyncio.run(body())
+
+
+def test_tls_options_read_as_pymysql_reads_them() -> None:
+    from latchkey.stores.io.mysql_dsn import async_args, async_tls
+
+    b = open_backend("mysql://u:pw@h/db?ssl_ca=/nonexistent/ca.pem&ssl_verify_identity=true")
+    try:
+        args = connect_args(b)
+    finally:
+        b.close()
+    assert args["ssl_ca"] == "/nonexistent/ca.pem" and args["ssl_verify_identity"] is True
+    with pytest.raises(FileNotFoundError):  # asyncmy's context loads the CA as PyMySQL would
+        async_args(args)
+    context = async_tls({"ssl_verify_cert": False})
+    assert context is not None and context.verify_mode == ssl.CERT_NONE
+    assert async_tls({"ssl_disabled": True, "ssl_ca": "x"}) is None
+    assert async_tls({}) is None
+    for bad in ("ssl_verify_cert=maybe", "connect_timeout=-1", "sql_mode=ANSI", "charset=latin1"):
+        with pytest.raises(ConfigError):
+            open_backend(f"mysql://u@h/db?{bad}")

@@ -1491,3 +1491,20 @@ def test_async_advisory_waits_in_the_server_are_capped_and_the_rest_wait_their_t
             assert sorted(taken) == list(range(count))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])
+def test_libpq_parameters_in_the_url_reach_the_server(pg_base: str, table: str, kind: str) -> None:
+    """A DSN's own libpq parameters pass through (issue 15): the server sees the application
+    name, and ``options`` adds to latchkey's own settings instead of replacing them."""
+    app = f"lk-{uuid.uuid4().hex[:8]}"
+    base = pg_base.replace("postgresql://", f"{kind}://", 1)
+    url = f"{base}?application_name={app}&connect_timeout=3&options=-c%20work_mem%3D5MB"
+    if kind == "postgresql":
+        url += f"&table={table}"
+    with latchkey.connect(url) as store, store.lock(f"n-{app}", ttl="30s"):
+        with psycopg.connect(pg_base, autocommit=True) as sql:
+            row = sql.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app,)
+            ).fetchone()
+        assert row is not None and row[0] >= 1

@@ -370,9 +370,11 @@ def test_waiters_share_one_pubsub_connection(backend: RedisBackend) -> None:
     assert sum(int(c["sub"]) > 0 for c in clients) == 1
     backend.acquire("w0", "a" * 32, INFO, 30)
     backend.release("w0", "a" * 32)
-    assert waiters[0].wait(5) and waiters[-1].wait(5)
-    assert not waiters[1].wait(0.05)
-    for w in waiters:
+    assert waiters[0].wait(5)  # one release wakes one waiter of the name: the first
+    assert not waiters[-1].wait(0.05) and not waiters[1].wait(0.05)
+    waiters[0].close()  # woken, and leaving without the lease: the next one is woken instead
+    assert waiters[-1].wait(5)
+    for w in waiters[1:]:
         w.close()
     eventually(
         lambda: not backend.io.client.pubsub_channels(f"{backend.store.prefix}*"), what="unsub"
@@ -834,10 +836,16 @@ def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) ->
             assert sorted(channels) == sorted(backend.store.keys(n)[0] for n in names)
             assert isinstance(await backend.acquire("w0", "a" * 32, INFO, 30), Grant)
             assert await backend.release("w0", "a" * 32) is True
-            woken = await asyncio.gather(*(w.wait(10) for w in waiters[0::10]))
-            assert all(woken) and len(woken) == 100
+            assert await waiters[0].wait(10) is True  # one release, one waiter: the first
+            assert await waiters[10].wait(0.05) is False  # no herd
+            await waiters[0].close()  # woken, leaving without the lease: passes it on
+            for _ in range(98):  # each release wakes the next in line not woken yet
+                assert isinstance(await backend.acquire("w0", "a" * 32, INFO, 30), Grant)
+                assert await backend.release("w0", "a" * 32) is True
+            woken = await asyncio.gather(*(w.wait(10) for w in waiters[10::10]))
+            assert all(woken) and len(woken) == 99
             assert await waiters[1].wait(0.05) is False  # w1 was not released
-            await asyncio.gather(*(w.close() for w in waiters))
+            await asyncio.gather(*(w.close() for w in waiters[1:]))
             await _until(
                 lambda: _none(backend.io.client.pubsub_channels(f"{backend.store.prefix}*")),
                 "unsubscribed",

@@ -3,9 +3,10 @@
 Modes (:meth:`Proxy.set`): ``pass`` (forward, optionally with added latency), ``blackhole``
 (connections stay open and new ones are accepted, but nothing is forwarded in either
 direction and nobody is told: the kernel buffers fill, reads hang — a partition that drops
-packets), and :meth:`Proxy.reset` (every open connection is closed with a TCP reset; new
-connections pass). :meth:`Proxy.heal` returns to plain forwarding. Threads, no asyncio, so the
-test process can drive it from anywhere.
+packets), ``mute`` (requests reach the server, its answers are dropped: a write that happened
+but whose reply was lost), and :meth:`Proxy.reset` (every open connection is closed with a
+TCP reset; new connections pass). :meth:`Proxy.heal` returns to plain forwarding. Threads,
+no asyncio, so the test process can drive it from anywhere.
 """
 
 from __future__ import annotations
@@ -33,10 +34,15 @@ class Proxy:
     # -- control -------------------------------------------------------------------------------
 
     def set(self, mode: str, latency: float = 0.0) -> None:
-        assert mode in ("pass", "blackhole"), mode
+        assert mode in ("pass", "blackhole", "mute"), mode
         self._mode, self._latency = mode, latency
 
     def heal(self) -> None:
+        """Forward again. Connections that lost answers while muted are reset first: a byte
+        stream with a hole in it is not something TCP delivers (the connection dies instead),
+        and a client that kept one would read the next answer as the lost one's."""
+        if self._mode == "mute":
+            self.reset()
         self.set("pass")
 
     def reset(self) -> None:
@@ -88,6 +94,8 @@ class Proxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if self._mode == "mute" and sock is b:
+                        continue  # the server's answer, dropped
                     if self._latency:
                         time.sleep(self._latency)
                     peer[sock].sendall(data)

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER_OF = {
     "sqlite": None, "postgresql": "postgresql", "postgresql+advisory": "postgresql",
     "mysql": "mysql", "mysql+getlock": "mysql", "redis": "redis", "memcached": "memcached",
-    "mongodb": "mongodb",
+    "mongodb": "mongodb", "etcd": "etcd",
 }  # fmt: skip
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short

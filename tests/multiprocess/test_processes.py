@@ -30,9 +30,13 @@ def test_counter_under_lock(
 ) -> None:
     counter = tmp_path / "counter"
     counter.write_text("0")
-    procs = [spawn(workers.count_under_lock, store_url, name, str(counter), 200) for _ in range(8)]
+    # 1,600 hand-offs; 400 on etcd, whose hand-offs through the JSON gateway took 40-75 ms
+    # each on the test machine (the suite must fit CI's time; exclusion is the same test).
+    rounds = 50 if store.scheme == "etcd" else 200
+    procs = [spawn(workers.count_under_lock, store_url, name, str(counter), rounds)
+             for _ in range(8)]  # fmt: skip
     _join_all(procs)
-    assert int(counter.read_text()) == 8 * 200
+    assert int(counter.read_text()) == 8 * rounds
 
 
 @pytest.mark.requires("ttl")

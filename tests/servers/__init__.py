@@ -98,6 +98,9 @@ class StoreRow:
     isolate: Callable[[str, str, Path], str]  # (base_url, tag, tmp_path) -> URL for one test
     base_url: Callable[[str], str] = lambda url: url  # server URL -> this row's base URL
     required_in_ci: bool = True  # False only where no server can be had
+    #: The client talks to the servers the URL's address announces (a cluster's nodes, the
+    #: master a sentinel names), not to that address: a proxy put in front of it is bypassed.
+    discovers: bool = False
 
 
 SERVERS: dict[str, ServerKind] = {}

@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -69,7 +70,29 @@ def _run(cmd: list[str], as_postgres: dict[str, Any], cwd: Path, what: str) -> N
         cmd, cwd=cwd, capture_output=True, text=True, check=False, timeout=120, **as_postgres
     )
     if proc.returncode != 0:
-        raise ServerUnavailable(f"{what} failed ({proc.returncode}): {proc.stderr[-800:]}")
+        log = cwd / "server.log"
+        tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+        raise ServerUnavailable(
+            f"{what} failed ({proc.returncode}): {proc.stderr[-800:]} {tail}".strip()
+        )
+
+
+def _launcher(
+    bindir: Path, home: Path, data: Path, sockets: Path, port: int, what: str
+) -> Callable[[], int]:
+    """What starts (and restarts) the server of ``data`` on ``port``: returns its pid."""
+    options = " ".join([
+        f"-p {port}", f"-k {sockets}", "-c listen_addresses=127.0.0.1",
+        "-c max_connections=300", "-c shared_buffers=32MB",
+    ])
+    pg_ctl = [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
+              "-l", str(home / "server.log"), "-o", options]
+
+    def launch() -> int:
+        _run(pg_ctl, _as_postgres(), home, what)
+        return read_pidfile(data / "postmaster.pid")
+
+    return launch
 
 
 def start(workdir: Path, password: str | None = None) -> RunningServer:
@@ -97,17 +120,7 @@ def start(workdir: Path, password: str | None = None) -> RunningServer:
         as_postgres, home, "initdb",
     )
     port = free_port()
-    options = " ".join([
-        f"-p {port}", f"-k {sockets}", "-c listen_addresses=127.0.0.1",
-        "-c max_connections=300", "-c shared_buffers=32MB",
-    ])
-    pg_ctl = [str(bindir / "pg_ctl"), "start", "-w", "-t", "60", "-D", str(data),
-              "-l", str(home / "server.log"), "-o", options]
-
-    def launch() -> int:
-        _run(pg_ctl, as_postgres, home, "pg_ctl start")
-        return read_pidfile(data / "postmaster.pid")
-
+    launch = _launcher(bindir, home, data, sockets, port, "pg_ctl start")
     pid = launch()
     wait_port_open(port)
     userinfo = ":" + quote(password, safe="") if password else ""
@@ -139,3 +152,43 @@ ROWS.append(
         isolate=lambda base, tag, tmp: with_query(base, prefix=f"t_{tag}"),
     )
 )
+
+
+def start_replica(primary: RunningServer, workdir: Path, name: str = "replica1") -> RunningServer:
+    """A streaming replica of ``primary`` (pg_basebackup -R) on a free loopback port, named
+    ``name`` to the primary (``application_name``: what ``synchronous_standby_names`` lists).
+    Promote it with :func:`promote`."""
+    bindir = Path(str(primary.extra["bindir"]))
+    as_postgres = _as_postgres()
+    home = _owned_dir(workdir / "pg-replica", as_postgres)
+    # A short socket directory: a test's own tmp_path (deeper still under pytest-xdist) can
+    # make "<dir>/.s.PGSQL.<port>" longer than a Unix socket path may be (107 bytes).
+    data = home / "data"
+    sockets = _owned_dir(Path(tempfile.mkdtemp(prefix="lkpg-")), as_postgres)
+    _run(
+        [str(bindir / "pg_basebackup"), "-D", str(data), "-h", "127.0.0.1",
+         "-p", str(primary.port), "-U", "postgres", "-X", "stream", "-R",
+         "-d", f"application_name={name}"],
+        as_postgres, home, "pg_basebackup",
+    )  # fmt: skip
+    port = free_port()
+    launch = _launcher(bindir, home, data, sockets, port, "pg_ctl start (replica)")
+    pid = launch()
+    wait_port_open(port)
+    return RunningServer(
+        url=f"postgresql://postgres@127.0.0.1:{port}/postgres",
+        pid=pid,
+        port=port,
+        workdir=workdir,
+        restart_cmd=launch,
+        stop_signal=signal.SIGINT,
+        extra={"bindir": str(bindir), "data": str(data), "sockets": str(sockets), "home": home},
+    )
+
+
+def promote(replica: RunningServer) -> None:
+    """``pg_ctl promote -w``: the replica becomes a primary (returns once it accepts writes)."""
+    bindir, data = Path(str(replica.extra["bindir"])), str(replica.extra["data"])
+    home = Path(str(replica.extra["home"]))
+    _run([str(bindir / "pg_ctl"), "promote", "-w", "-t", "60", "-D", data],
+         _as_postgres(), home, "pg_ctl promote")  # fmt: skip

@@ -9,6 +9,7 @@ from latchkey import ConfigError, InvalidName
 from latchkey._names import validate_name
 from latchkey._owner import Owner, check_metadata, new_owner_token
 from latchkey._url import StoreURL, identifier, key_prefix, read_options
+from latchkey.stores import open_backend
 
 
 def test_names() -> None:
@@ -60,7 +61,7 @@ def test_options() -> None:
 
     spec = {"table": Option(identifier, "latchkey_locks")}
     url = StoreURL.parse("sqlite:///x.db?table=my_locks&timeout=2s")
-    assert read_options(url, spec) == {"table": "my_locks", "timeout": 2.0}
+    assert read_options(url, spec) == {"table": "my_locks", "timeout": 2.0, "driver": {}}
     with pytest.raises(ConfigError, match="unknown URL option 'tabel'"):
         read_options(StoreURL.parse("sqlite:///x.db?tabel=x"), spec)
     for hostile in ["locks; DROP TABLE x", "a-b", "1abc", "x" * 64, ""]:
@@ -69,6 +70,52 @@ def test_options() -> None:
     assert key_prefix("app:locks.v1-") == "app:locks.v1-"
     with pytest.raises(ValueError):
         key_prefix("bad prefix")
+
+
+def test_driver_options_pass_through_and_unknown_ones_name_where_to_look() -> None:
+    from latchkey._url import DriverOptions, Option, known_to
+
+    def check(key: str, text: str) -> str:
+        if key == "connect_timeout" and not text.isdigit():
+            raise ValueError("must be a whole number of seconds")
+        return known_to(lambda: {"connect_timeout", "application_name", "sslpassword"})(key, text)
+
+    driver = DriverOptions(check, "any libpq parameter (see its docs)")
+    spec = {"table": Option(identifier, "latchkey_locks")}
+    url = StoreURL.parse("postgresql://h/db?connect_timeout=5&application_name=worker&table=t")
+    config = read_options(url, spec, driver)
+    assert config["table"] == "t"
+    assert config["driver"] == {"connect_timeout": "5", "application_name": "worker"}
+    with pytest.raises(ConfigError, match=r"unknown URL option 'bogus' \(known options: table, "
+                       r"timeout; also any libpq parameter \(see its docs\)\)"):  # fmt: skip
+        read_options(StoreURL.parse("postgresql://h/db?bogus=1"), spec, driver)
+    with pytest.raises(ConfigError, match="connect_timeout='soon': must be a whole number"):
+        read_options(StoreURL.parse("postgresql://h/db?connect_timeout=soon"), spec, driver)
+    # a secret in the query string is masked wherever the URL is shown
+    secret = StoreURL.parse("postgresql://u:pw1@h/db?sslpassword=hunter2&application_name=w")
+    assert "hunter2" not in secret.redacted() and "pw1" not in secret.redacted()
+    assert "application_name=w" in secret.redacted()
+    assert secret.scrub("bad sslpassword hunter2") == "bad sslpassword ***"
+
+
+def test_libpq_and_pymongo_options_come_from_the_drivers_themselves() -> None:
+    from latchkey.stores.io.psycopg import connection_params
+
+    backend = open_backend(
+        "postgresql://u@h/db?connect_timeout=9&application_name=worker"
+        "&target_session_attrs=read-write&options=-c%20search_path%3Dapp"
+    )
+    try:
+        params = connection_params(backend.url, backend.config, "latchkey")
+    finally:
+        backend.close()
+    assert params["connect_timeout"] == "9" and params["application_name"] == "worker"
+    assert params["target_session_attrs"] == "read-write"
+    assert params["options"].endswith(" -c search_path=app")  # after ours (statement_timeout…)
+    assert "statement_timeout" in params["options"]
+    for bad in ("replication=database", "dbname=other", "nonsense=1"):
+        with pytest.raises(ConfigError, match="unknown URL option"):
+            open_backend(f"postgresql://u@h/db?{bad}")
 
 
 def test_owner_round_trip_and_tokens() -> None:

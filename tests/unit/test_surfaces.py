@@ -84,3 +84,17 @@ def test_the_sync_api_does_not_import_asyncio() -> None:
     code = "import sys, latchkey; latchkey.connect('memory://'); print('asyncio' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_metrics_and_tracing_switches_are_public_and_import_nothing_until_used() -> None:
+    import subprocess
+    import sys
+
+    switches = {"enable_metrics", "disable_metrics", "enable_tracing", "disable_tracing"}
+    assert switches <= set(latchkey.__all__)
+    code = (
+        "import sys, latchkey; s = latchkey.connect('memory://'); s.lock('x').acquire(); "
+        "print(sorted(m for m in ('prometheus_client', 'opentelemetry') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -19,23 +19,38 @@ from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._names import validate_name
 from latchkey._types import LockInfo
-from latchkey.stores import AsyncBackend, open_async_backend
+from latchkey.errors import ConfigError
+from latchkey.stores import AsyncBackend, open_async_backend, open_client_backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def connect_async(url: str | None = None) -> AsyncStore:
+def connect_async(
+    url: str | None = None,
+    *,
+    client: Any = None,
+    url_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> AsyncStore:
     """Open a store for asyncio by URL (default: ``LATCHKEY_URL``, else embedded SQLite in the
-    user's state directory). Connects on first use; close with ``await store.aclose()`` or
-    ``async with store:``.
+    user's state directory), or over an asyncio ``client`` the application already holds (a
+    ``redis.asyncio.Redis``, …), borrowed and never closed. Connects on first use; close with
+    ``await store.aclose()`` or ``async with store:``. Options as for :func:`latchkey.connect`.
 
-    Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option.
+    Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option, for both a URL and
+    a client, and for a client latchkey cannot use (a sync client among them).
 
     .. versionadded:: 0.2
+    .. versionchanged:: 0.2 ``client``, ``url_options`` and keyword options.
     """
-    from latchkey._store import default_url
+    from latchkey._store import _options, default_url
 
-    return AsyncStore(open_async_backend(url if url is not None else default_url()))
+    merged = _options(url_options, options)
+    if client is not None:
+        if url is not None:
+            raise ConfigError("latchkey.connect_async(): give a URL or a client, not both")
+        return AsyncStore(open_client_backend(client, merged, asyncio=True))
+    return AsyncStore(open_async_backend(url if url is not None else default_url(), merged))
 
 
 class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
@@ -78,7 +93,7 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
 
     async def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""
-        return await self.backend.purge_expired()
+        return int(await arun(self._purge(), self.backend))
 
     # -- rows of the application's own table -------------------------------------------------
 
@@ -165,6 +180,7 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
 
     async def aclose(self) -> None:
         """Close connections. Session-tied locks (advisory, GET_LOCK) end with them."""
+        self.backend.latchkey_closed = True  # type: ignore[attr-defined]  # see _run.Closed
         await self.backend.aclose()
 
     async def __aenter__(self) -> AsyncStore:

@@ -11,19 +11,24 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
+from latchkey import _observe
 from latchkey._core.lease import drift_margin
-from latchkey._core.ops import Steps, call
+from latchkey._core.ops import Op, Steps, call
 from latchkey._names import validate_name
 from latchkey._owner import Owner, new_owner_token
 from latchkey._types import Grant
 
 log = logging.getLogger("latchkey")
+T = TypeVar("T")
 
 
 class ClaimCore:
     """The state of one batch claim. Not public: see :class:`latchkey.Claim`."""
+
+    #: While metrics count its names as held: (recorder, when taken); see _observe.
+    _observed: Any = None
 
     def __init__(
         self, store: Any, names: Iterable[str], *, ttl: float, metadata: Mapping[str, Any]
@@ -65,6 +70,11 @@ class ClaimCore:
         self._held: set[str] = set()
 
     def _take(self) -> Steps[None]:
+        hooks = _observe.hooks
+        steps = self._take_steps()
+        return steps if hooks is None else hooks.claim(self, steps)
+
+    def _take_steps(self) -> Steps[None]:
         ordered, ttl = self._names, self.ttl
         sent = time.monotonic()
         grants: dict[str, Grant] = {}
@@ -95,16 +105,26 @@ class ClaimCore:
 
     def _release(self, name: str) -> Steps[bool]:
         if name not in self._held:
-            return False
+            return _nothing(False)
         self._held.discard(name)
-        return (yield call("release", name, self._owner))  # type: ignore[no-any-return]
+        return self._give_back([name], call("release", name, self._owner))
 
     def _release_all(self) -> Steps[int]:
         names = self.held
         self._held.clear()
         if not names:
-            return 0
-        return (yield call("release_many", names, self._owner))  # type: ignore[no-any-return]
+            return _nothing(0)
+        return self._give_back(names, call("release_many", names, self._owner))
+
+    def _give_back(self, names: list[str], op: Op) -> Steps[Any]:
+        """Release ``names`` (no longer in ``_held``) with the one store call ``op``."""
+        if self._observed is not None:
+            _observe.ended(self._observed, len(names))
+            if not self._held:
+                self._observed = None
+        hooks = _observe.hooks
+        steps = _one(op)
+        return steps if hooks is None else hooks.claim_release(self, names, steps)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.acquired)
@@ -117,3 +137,12 @@ class ClaimCore:
             f"<{type(self).__name__} acquired={len(self.acquired)} busy={len(self.busy)} "
             f"held={len(self._held)}>"
         )
+
+
+def _one(op: Op) -> Steps[Any]:
+    return (yield op)
+
+
+def _nothing(value: T) -> Steps[T]:
+    return value
+    yield  # a generator that asks for nothing

@@ -17,12 +17,13 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from latchkey._core.ops import CALL, Steps, call, renew, unrenew, user
+from latchkey import _observe
+from latchkey._core.ops import CALL, Steps, background, call, renew, sleep, unrenew, user
 from latchkey._core.waiting import Attempts, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
 from latchkey._owner import current_owner_json, new_owner_token
 from latchkey._types import Busy, Grant, Holder
-from latchkey.errors import LatchkeyError, LockLost, LockTimeout
+from latchkey.errors import LatchkeyError, LockLost, LockTimeout, StoreUnavailable
 from latchkey.stores.base import Capabilities
 
 log = logging.getLogger("latchkey")
@@ -53,6 +54,8 @@ class LeaseCore:
     :class:`latchkey.Lock` and :class:`latchkey.AsyncLock`."""
 
     kind = "lock"
+    #: While metrics count this lease as held: (recorder, when granted); see _observe.
+    _observed: Any = None
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class LeaseCore:
         self.holder: Holder | None = None
         self._owner: str | None = None
         self._deadline: float | None = None
+        self._granted_for: float = self.ttl  # the lease the store last granted (seconds)
         self._lost_reason: str | None = None
         self._renew_failure: str | None = None  # the last renewal's error, if it failed
         self._lost_told = False  # the loss of the current lease was logged and on_lost called
@@ -131,6 +135,13 @@ class LeaseCore:
     # -- the rules (generators) --------------------------------------------------------------
 
     def _acquire(self, wait: Duration | None = UNSET) -> Steps[bool]:
+        steps = self._acquire_steps(wait)
+        hooks = _observe.hooks
+        if hooks is None:
+            return steps
+        return hooks.acquire(self, steps, self.wait if wait is UNSET else wait)
+
+    def _acquire_steps(self, wait: Duration | None) -> Steps[bool]:
         if self._owner is not None:
             raise LatchkeyError(f"{self.kind} {self.name!r} is already held by this object")
         wait_s = self.wait if wait is UNSET else parse_wait(wait)
@@ -151,6 +162,13 @@ class LeaseCore:
                     blocking=caps.blocking and self.limit == 1,
                 )
                 sent = attempts.sent
+        except StoreUnavailable:
+            # The store may have granted it before its answer was lost (a reply cut off, a
+            # timeout after the write): give back whatever this owner may hold, in the
+            # background, so the caller gets the error now and the name is not held by
+            # nobody until the lease ends (owner-checked: never anyone else's).
+            yield background(_give_back(self.name, owner, self.ttl))
+            raise
         except LatchkeyError:
             raise
         except BaseException:
@@ -175,6 +193,13 @@ class LeaseCore:
         return True
 
     def _release(self) -> Steps[bool]:
+        steps = self._release_steps()
+        hooks = _observe.hooks
+        if hooks is None or self._owner is None:
+            return steps
+        return hooks.release(self, steps)
+
+    def _release_steps(self) -> Steps[bool]:
         owner = self._owner
         if owner is None:
             return False
@@ -186,6 +211,11 @@ class LeaseCore:
             self._forget()
 
     def _extend(self, ttl: Duration | None = None) -> Steps[None]:
+        steps = self._extend_steps(ttl)
+        hooks = _observe.hooks
+        return steps if hooks is None else hooks.extend(self, steps)
+
+    def _extend_steps(self, ttl: Duration | None) -> Steps[None]:
         if self._owner is not None and self.lost:
             failed = self._renew_failure
             reason = f"could not renew before the lease ended: {failed}" if failed else None
@@ -229,7 +259,7 @@ class LeaseCore:
         try:
             yield from self._extend()
             self._renew_failure = None
-            return self.ttl / 3
+            return self._renew_interval()
         except LockLost as exc:
             yield from self._lose(str(exc))
             return None
@@ -241,7 +271,13 @@ class LeaseCore:
                 yield from self._lose(f"could not renew before the lease ended: {exc}")
                 return None
             log.warning("renewing %r failed, retrying: %s", self.name, exc)
-            return min(self.ttl / 3, max(left / 4, 0.05))
+            return min(self._renew_interval(), max(left / 4, 0.05))
+
+    def _renew_interval(self) -> float:
+        """How long the renewer waits between renewals: a third of the lease the store last
+        granted — the TTL, or less where the store grants less (a ZooKeeper lease is also
+        bounded by its session's timeout)."""
+        return self._granted_for / 3
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -251,6 +287,7 @@ class LeaseCore:
         if self._caps.ttl:
             left = ttl if grant.remaining is None else min(ttl, grant.remaining)
             self._deadline = sent + left - drift_margin(ttl)
+            self._granted_for = left
         else:
             self._deadline = None
 
@@ -261,6 +298,9 @@ class LeaseCore:
             self._lost_reason = None
             self.token = None
             self.expires_at = None
+            observed, self._observed = self._observed, None
+        if observed is not None:
+            _observe.ended(observed)
 
     def _mark_lost(self, reason: str) -> None:
         with self._state:
@@ -277,6 +317,12 @@ class LeaseCore:
                 return
             self._lost_told = True
             reason = self._lost_reason or reason
+            observed, self._observed = self._observed, None
+        if observed is not None:
+            _observe.ended(observed)
+        hooks = _observe.hooks
+        if hooks is not None:
+            hooks.lost(self)
         log.warning(
             "%s %r lost (token %s): %s", self.kind, self.name, self.token, reason,
             extra={"latchkey_name": self.name, "latchkey_token": self.token},
@@ -313,3 +359,24 @@ class LeaseCore:
         state = "lost" if self.lost else "held" if self.held else "free"
         token = f" token={self.token}" if self.token is not None else ""
         return f"<{type(self).__name__} {self.name!r} {state}{token}>"
+
+
+#: How a background give-back retries (seconds): the first pause and the longest.
+GIVE_BACK_FIRST, GIVE_BACK_CAP = 0.1, 2.0
+
+
+def _give_back(name: str, owner: str, ttl: float) -> Steps[None]:
+    """Release ``owner``'s lease on ``name`` if the store granted one whose answer was lost:
+    tried until a release gets an answer, or until the lease would have ended anyway. Run in
+    the background (a thread or a task), so a store that stays unreachable costs the caller
+    nothing."""
+    until, pause = time.monotonic() + ttl, GIVE_BACK_FIRST
+    while True:
+        try:
+            yield call("release", name, owner)
+            return
+        except StoreUnavailable:
+            if time.monotonic() + pause >= until:
+                return
+        yield sleep(pause)
+        pause = min(pause * 2, GIVE_BACK_CAP)

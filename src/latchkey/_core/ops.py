@@ -28,6 +28,9 @@ RENEW = 3
 """Start the background renewer of the lease ``target`` (a thread, or a task in the loop)."""
 UNRENEW = 4
 """Stop the renewer of the lease ``target``, if it has one, and wait until it has stopped."""
+BACKGROUND = 5
+"""Run the core generator ``target`` to its end without waiting for it (on a daemon thread, or
+as a task of the loop) and ignore how it ends: a give-back that must not hold the caller up."""
 
 
 #: One request from the rules to a runner: ``(kind, target, method, args)``, plain data (a
@@ -57,6 +60,10 @@ def user(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Op:
     if kwargs:
         return (USER, lambda: fn(*args, **kwargs), "", ())
     return (USER, fn, "", args)
+
+
+def background(steps: Steps[Any]) -> Op:
+    return (BACKGROUND, steps, "", ())
 
 
 def renew(lease: Any) -> Op:

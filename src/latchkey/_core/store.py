@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from latchkey._core.lease import describe_holder
-from latchkey._core.ops import Steps, call, user
+from latchkey._core.ops import Steps, call, sleep, user
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._names import validate_name
 from latchkey._owner import check_metadata
@@ -30,6 +30,16 @@ log = logging.getLogger("latchkey")
 
 #: The lease length when ``ttl=`` is not given.
 DEFAULT_TTL = 60.0
+
+#: Purging: the first batch's size (rows a store deletes in one statement), the bounds it is
+#: kept within, and the time one batch should take. The batch grows or shrinks to take about
+#: PURGE_STEP, and between batches the purge rests at least as long as the batch took (and at
+#: least PURGE_REST): whatever a batch holds (SQLite's write lock, row locks, the server's
+#: attention) is held for about PURGE_STEP at a time, and others get it at least half the time.
+PURGE_BATCH = 500
+PURGE_MIN, PURGE_MAX = 50, 20_000
+PURGE_STEP = 0.01
+PURGE_REST = 0.01
 
 
 def check_callback(fn: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
@@ -253,6 +263,29 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
             return (yield user(fn, *args, **kwargs))
         finally:
             yield from lock._release()
+
+    # -- purging -----------------------------------------------------------------------------
+
+    def _purge(self) -> Steps[int]:
+        """Delete expired leases in bounded batches until none is left; return how many.
+
+        One statement that deletes a backlog of millions holds its locks (or SQLite's write
+        lock) for seconds and can hit the statement timeout and delete nothing; so each call
+        asks the store for at most ``limit`` expired leases, found through its expiry index
+        (a batch costs what it removes, not what is live), and rests between batches."""
+        total, limit = 0, PURGE_BATCH
+        while True:
+            started = time.monotonic()
+            count = int((yield call("purge_expired", limit)))
+            took = time.monotonic() - started
+            total += count
+            if count < limit:
+                return total
+            if took < PURGE_STEP / 2:
+                limit = min(PURGE_MAX, limit * 2)
+            elif took > PURGE_STEP * 2:
+                limit = max(PURGE_MIN, limit // 2)
+            yield sleep(max(PURGE_REST, took))
 
     # -- health ------------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ cannot be overridden.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from dataclasses import replace
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "backend_class",
     "open_async_backend",
     "open_backend",
+    "open_client_backend",
 ]
 
 
@@ -57,9 +60,17 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "mysql+getlock": _store("mysql_getlock", "GetLockBackend", ":AsyncGetLockBackend", "mysql"),
     "redis": _store("redis", "RedisBackend", ":AsyncRedisBackend", "redis"),
     "rediss": _store("redis", "RedisBackend", ":AsyncRedisBackend", "redis"),
+    "redis+cluster": _store(
+        "redis_cluster", "RedisClusterBackend", ":AsyncRedisClusterBackend", "redis"
+    ),
+    "redis+sentinel": _store(
+        "redis_cluster", "RedisSentinelBackend", ":AsyncRedisSentinelBackend", "redis"
+    ),
     "memcached": _store("memcached", "MemcachedBackend", ":AsyncMemcachedBackend", "memcached"),
     "mongodb": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
     "mongodb+srv": _store("mongodb", "MongoDBBackend", ":AsyncMongoDBBackend", "mongodb"),
+    "etcd": _store("etcd", "EtcdBackend", ":AsyncEtcdBackend", "etcd"),
+    "zookeeper": _store("zookeeper", "ZooKeeperBackend", ":AsyncZooKeeperBackend", "zookeeper"),
 }
 
 
@@ -122,14 +133,45 @@ def async_backend_class(scheme: str) -> type[AsyncBackend]:
     raise _unknown(scheme)
 
 
-def open_backend(url: str) -> Backend:
-    """Parse ``url``, validate its options and create the sync backend (connecting lazily)."""
-    parsed = StoreURL.parse(url)
+def _with_options(parsed: StoreURL, options: Mapping[str, Any]) -> StoreURL:
+    """``parsed`` with keyword options added to its query (each given once: ConfigError if a
+    keyword repeats an option of the URL's query)."""
+    if not options:
+        return parsed
+    from latchkey.stores.clients import option_text
+
+    query = dict(parsed.query)
+    for key, value in options.items():
+        if key in query:
+            raise ConfigError(f"store option {key!r} is given twice (in the URL and as a keyword)")
+        query[key] = option_text(key, value)
+    return replace(parsed, query=query)
+
+
+def open_backend(url: str, options: Mapping[str, Any] | None = None) -> Backend:
+    """Parse ``url``, validate its options (and the keyword ``options``) and create the sync
+    backend (connecting lazily)."""
+    parsed = _with_options(StoreURL.parse(url), options or {})
     return backend_class(parsed.scheme)(parsed)
 
 
-def open_async_backend(url: str) -> AsyncBackend:
+def open_async_backend(url: str, options: Mapping[str, Any] | None = None) -> AsyncBackend:
     """Parse ``url``, validate its options and create the asyncio backend (connecting on first
     use)."""
-    parsed = StoreURL.parse(url)
+    parsed = _with_options(StoreURL.parse(url), options or {})
     return async_backend_class(parsed.scheme)(parsed)
+
+
+def open_client_backend(
+    client: Any, options: Mapping[str, Any] | None = None, *, asyncio: bool = False
+) -> Any:
+    """The backend (asyncio if ``asyncio``) of the store ``client`` belongs to, borrowing
+    from it (see :mod:`latchkey.stores.clients`); ``options`` as the URL query would give them.
+    """
+    from latchkey.stores.clients import client_url, identify, option_text
+
+    kind = identify(client, asyncio=asyncio)
+    query = {key: option_text(key, value) for key, value in (options or {}).items()}
+    url = client_url(client, kind, query)
+    cls = async_backend_class(url.scheme) if asyncio else backend_class(url.scheme)
+    return cls(url, client)

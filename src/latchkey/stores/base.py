@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import Any, ClassVar, NoReturn
 
 from latchkey._types import Busy, Grant, Holder, LockInfo, RowSpec, RowState
-from latchkey._url import Option, StoreURL, read_options
+from latchkey._url import DriverOptions, Option, StoreURL, read_options
 from latchkey.errors import StoreUnavailable, Unsupported
 
 #: ``rows_lease``'s answer: each row leased (a dict) and its lease.
@@ -133,10 +133,17 @@ class BackendBase:
     scheme: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
     options: ClassVar[Mapping[str, Option]] = {}
+    #: Options of the driver's own connection strings, passed through (None: none).
+    driver_options: ClassVar[DriverOptions | None] = None
 
-    def __init__(self, url: StoreURL) -> None:
+    def __init__(self, url: StoreURL, client: Any = None) -> None:
         self.url = url
-        self.config: dict[str, Any] = read_options(url, self.options)
+        #: The application's own client the store borrows from (``connect(client=…)``), or
+        #: None: the store opens and owns its connections. Never closed by latchkey.
+        self.client = client
+        # A borrowed client carries its own connection settings: no driver options then.
+        driver = self.driver_options if client is None else None
+        self.config: dict[str, Any] = read_options(url, self.options, driver)
         self.timeout: float = self.config["timeout"]
 
     def unavailable(self, exc: BaseException, action: str) -> NoReturn:
@@ -220,8 +227,10 @@ class Backend(BackendBase, abc.ABC):
         """Drop every lease on ``name`` whoever holds it; True if a live one was dropped."""
 
     @abc.abstractmethod
-    def purge_expired(self) -> int:
-        """Delete expired lease rows (fencing counters stay); return how many."""
+    def purge_expired(self, limit: int | None = None) -> int:
+        """Delete expired lease rows (fencing counters stay); return how many. With ``limit``,
+        delete at most about that many, found through an expiry index, in one short step: the
+        core calls again while a call returns ``limit`` or more, resting in between."""
 
     # -- batch claims ------------------------------------------------------------------------
 
@@ -398,7 +407,7 @@ class AsyncBackend(BackendBase, abc.ABC):
     async def force_release(self, name: str) -> bool: ...
 
     @abc.abstractmethod
-    async def purge_expired(self) -> int: ...
+    async def purge_expired(self, limit: int | None = None) -> int: ...
 
     async def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float

@@ -290,7 +290,7 @@ class Memcached(Store):
         slots = yield from self._each_slot(self._node(name), name, DELETE)
         return any([written(reply) for _, reply in slots])  # HD only for a live item
 
-    def purge_expired(self) -> Steps[int]:
+    def purge_expired(self, limit: int | None) -> Steps[int]:
         return 0  # memcached drops expired items itself
         yield
 

@@ -152,11 +152,13 @@ class MemoryBackend(Backend):
             self._notify(name)
             return live
 
-    def purge_expired(self) -> int:
+    def purge_expired(self, limit: int | None = None) -> int:
         with self._space.mutex:
             now = time.time()
             count = 0
             for name in list(self._space.leases):
+                if limit is not None and count >= limit:
+                    break
                 slots = self._space.leases[name]
                 expired = [s for s, lease in slots.items() if lease.expires <= now]
                 count += len(expired)

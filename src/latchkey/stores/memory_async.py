@@ -67,8 +67,8 @@ class AsyncMemoryBackend(AsyncBackend):
     async def force_release(self, name: str) -> bool:
         return self._sync.force_release(name)
 
-    async def purge_expired(self) -> int:
-        return self._sync.purge_expired()
+    async def purge_expired(self, limit: int | None = None) -> int:
+        return self._sync.purge_expired(limit)
 
     async def record_get(self, name: str) -> tuple[str | None, int]:
         return self._sync.record_get(name)

@@ -46,7 +46,7 @@ from latchkey._url import Option, identifier
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase
 from latchkey.stores.io import Steps
-from latchkey.stores.io.pymongo import PASSTHROUGH, Call, Document, Scan
+from latchkey.stores.io.pymongo import PYMONGO, Call, Document, Scan
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 
 Pipeline = list[Document]
@@ -259,17 +259,22 @@ class MongoDB(Store):
     scheme = "mongodb"
     options = {
         "collection": Option(identifier, "latchkey_locks", "collection of the lease documents"),
-        **{name: Option(str, None, "passed to pymongo") for name in PASSTHROUGH},
     }
+    driver_options = PYMONGO
     sync_driver = "latchkey.stores.io.pymongo:MongoDriver"
     async_driver = "latchkey.stores.io.pymongo_async:AsyncMongoDriver"
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
         url = self.url
-        if not url.hosts:
+        if not url.hosts and backend.client is None:
             raise ConfigError(f"{url.scheme} store: the URL names no host")
-        self.database = url.path.strip("/") or "latchkey"
+        if backend.client is not None:  # a borrowed client or Database: the one it stands for
+            from latchkey.stores.clients import mongo_database
+
+            self.database = mongo_database(backend.client)
+        else:
+            self.database = url.path.strip("/") or "latchkey"
         if not _DATABASE.match(self.database):
             raise ConfigError(
                 f"{url.scheme} store: database {self.database!r} must be letters, digits, _ and -"
@@ -326,9 +331,18 @@ class MongoDB(Store):
         result = yield Call("locks", "update_one", args)
         return bool(result.matched_count == 1)
 
-    def purge_expired(self) -> Steps[int]:
-        """Delete the documents whose every lease has ended (see ``gc``); return how many."""
-        result = yield Call("locks", "delete_many", (PURGE_FILTER,))
+    def purge_expired(self, limit: int | None) -> Steps[int]:
+        """Delete the documents whose every lease has ended (see ``gc``); return how many.
+        With ``limit``: at most that many, found through the ``gc`` index, then deleted by id
+        (the filter again, so a document taken meanwhile stays)."""
+        if limit is None:
+            result = yield Call("locks", "delete_many", (PURGE_FILTER,))
+            return int(result.deleted_count)
+        docs = yield Scan("locks", "find", (PURGE_FILTER, {"_id": 1}, 0, limit))  # skip 0
+        if not docs:
+            return 0
+        ids = {"_id": {"$in": [doc["_id"] for doc in docs]}, **PURGE_FILTER}
+        result = yield Call("locks", "delete_many", (ids,))
         return int(result.deleted_count)
 
     # -- batch claims: one bulk write, then one find -----------------------------------------

@@ -41,6 +41,7 @@ from latchkey._types import Busy, Grant, Holder
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
+from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, connect_args
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
@@ -220,8 +221,9 @@ LIST = (
 )
 # Drops every live lease on a name (expired rows are already free). Rowcount: how many.
 FORCE_RELEASE = "DELETE FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)"
-# Deletes expired rows; the token counter (AUTO_INCREMENT) is not touched by deletes.
-PURGE = "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(6)"
+# In: limit. Deletes up to limit expired rows, oldest first, through the expiry index; the
+# token counter (AUTO_INCREMENT) is not touched by deletes. Rowcount: how many.
+PURGE = "DELETE FROM {t} WHERE expires_at <= UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT %s"
 RECORD_GET = "SELECT value, version FROM {t}_records WHERE name = %s"
 # version 0: create only if absent (a duplicate key means someone created it first).
 RECORD_INSERT = "INSERT INTO {t}_records (name, value, version) VALUES (%s, %s, 1)"
@@ -243,24 +245,6 @@ EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
 EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
 
 
-def connect_args(backend: BackendBase) -> dict[str, Any]:
-    """PyMySQL's connect() arguments for a store URL (asyncmy's but the read and write
-    timeouts; shared with the GET_LOCK store)."""
-    url, timeout = backend.url, backend.timeout
-    if len(url.hosts) > 1:
-        raise ConfigError(f"{url.scheme} store: one host only, got {len(url.hosts)}")
-    database = url.path.lstrip("/")
-    if not database or "/" in database:
-        raise ConfigError(
-            f"{url.scheme} store URL {url.redacted()!r} names no database "
-            f"({url.scheme}://user:password@host:3306/database)"
-        )
-    return dict(host=url.host or "localhost", port=url.port or 3306,
-                user=url.username or "root", password=url.password or "", database=database,
-                charset="utf8mb4", autocommit=True, connect_timeout=timeout,
-                read_timeout=timeout, write_timeout=timeout)  # fmt: skip
-
-
 def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
@@ -270,6 +254,7 @@ class MySQL(RowClaims, LeaseTable):
 
     scheme = "mysql"
     capabilities, ROWS = Capabilities(rows=True), MYSQL
+    driver_options = MYSQL_DRIVER
     sync_driver = "latchkey.stores.io.pymysql:PyMySQLDriver"
     async_driver = "latchkey.stores.io.asyncmy:AsyncmyDriver"
     RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE = RELEASE, INSPECT, LIST, FORCE_RELEASE, PURGE
@@ -281,20 +266,34 @@ class MySQL(RowClaims, LeaseTable):
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
-        self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
         self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
+        if backend.client is not None:  # borrowed: the client's own settings (its driver)
+            if not self.url.path.strip("/"):
+                raise ConfigError(
+                    f"{self.url.scheme} store: the client names no database (connect it with "
+                    "database=…, or give the engine's URL one)"
+                )
+            self.connect_args: dict[str, Any] = {}
+            return
+        self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
 
     def setup(self, server_version: str) -> list[Query]:
         """The statements each new connection runs first (the driver's): the session's
         settings, the tables, and on MariaDB the hot statements prepared."""
         self.prepared = "mariadb" in server_version.lower()
-        steps = [
-            Query(SESSION, (max(1, math.floor(self.timeout / 2)),)),
-            Query(CREATE.format(t=self.table, version=SCHEMA_VERSION)),
-        ]
+        steps = [Query(SESSION, (self.lock_wait_timeout(),)), self.tables()]
         if self.prepared:
             steps.append(Query(PREPARE, (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED)))
         return steps
+
+    def lock_wait_timeout(self) -> int:
+        """``innodb_lock_wait_timeout`` (whole seconds): a row-lock wait ends before our
+        timeout."""
+        return max(1, math.floor(self.timeout / 2))
+
+    def tables(self) -> Query:
+        """The script creating the tables if they do not exist (multi-statement)."""
+        return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION))
 
     def time(self, value: Any) -> datetime:
         return utc(value)

@@ -50,6 +50,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Holder
 from latchkey._url import Option, key_prefix
 from latchkey.stores.io import Steps
+from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.sessionlocks import (
     DONE,
@@ -176,6 +177,7 @@ class GetLock(SessionLocks):
             getlock_prefix, "latchkey:", "prepended to each lock key (keys are server-wide)"
         ),
     }
+    driver_options = MYSQL_DRIVER
     sync_driver = "latchkey.stores.io.sessions_pymysql:PyMySQLSessions"
     async_driver = "latchkey.stores.io.sessions_asyncmy:AsyncmySessions"
     TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW = TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW

@@ -39,7 +39,7 @@ from latchkey._owner import Owner
 from latchkey._types import Busy, Holder
 from latchkey._url import Option, key_prefix
 from latchkey.stores.io import Steps
-from latchkey.stores.io.psycopg import CONNECTION_OPTIONS
+from latchkey.stores.io.psycopg import CONNECTION_OPTIONS, LIBPQ
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.sessionlocks import (
     ROWS,
@@ -156,6 +156,7 @@ class Advisory(SessionLocks):
         "prefix": Option(key_prefix, "", "hashed with each name: separates applications"),
         **CONNECTION_OPTIONS,
     }
+    driver_options = LIBPQ
     sync_driver = "latchkey.stores.io.sessions_psycopg:PsycopgSessions"
     async_driver = "latchkey.stores.io.sessions_psycopg:AsyncPsycopgSessions"
     TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW = TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW

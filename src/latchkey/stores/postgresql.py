@@ -39,6 +39,7 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.psycopg import (
     CONNECTION_OPTIONS,
+    LIBPQ,
     Listen,
     Prepared,
     int8,
@@ -107,6 +108,7 @@ class PostgreSQL(RowClaims, LeaseTable):
         "schema": Option(identifier, None, "schema of the tables (default: current schema)"),
         **CONNECTION_OPTIONS,
     }
+    driver_options = LIBPQ
     sync_driver = "latchkey.stores.io.psycopg:PsycopgDriver"
     async_driver = "latchkey.stores.io.psycopg_async:AsyncPsycopgDriver"
 
@@ -227,11 +229,13 @@ ORDER BY name, acquired_at, slot"""
     # Out: one row per lease dropped, true if it was live.
     FORCE_RELEASE = """DELETE FROM {s}"{t}" WHERE name = $1
 RETURNING expires_at > now(), pg_notify('{t}', encode(name, 'hex'))"""
-    # Deletes expired rows (rows being taken over right now are skipped, not waited for; rows
-    # are locked in key order like CLAIM so the two never deadlock): its row count. Also drops
-    # queue rows of processes that are gone (their listener key is free) or past their backstop.
+    # In: limit. Deletes up to limit expired rows, oldest first through the expiry index (rows
+    # being taken over right now are skipped, not waited for, so a purge never waits for a row
+    # and cannot deadlock with CLAIM): its row count. Also drops queue rows of processes that
+    # are gone (their listener key is free) or past their backstop.
     PURGE = """WITH expired AS (
-    SELECT ctid FROM {s}"{t}" WHERE expires_at <= now() ORDER BY name, slot FOR UPDATE SKIP LOCKED
+    SELECT ctid FROM {s}"{t}" WHERE expires_at <= now() ORDER BY expires_at LIMIT $1
+    FOR UPDATE SKIP LOCKED
 ), stale_waiters AS (
     DELETE FROM {s}"{t}_waiters"
     WHERE expires_at <= now() OR pg_try_advisory_xact_lock(listener_key)

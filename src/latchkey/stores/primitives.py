@@ -32,7 +32,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from latchkey._types import Busy, Grant, LockInfo, RowSpec
-from latchkey._url import Option, StoreURL
+from latchkey._url import DriverOptions, Option, StoreURL
 from latchkey.errors import Unsupported
 from latchkey.stores.base import (
     AsyncBackend,
@@ -59,6 +59,8 @@ class Store:
     scheme: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities] = Capabilities()
     options: ClassVar[Mapping[str, Option]] = {}
+    #: The driver's own connection-string options, passed through (see ``DriverOptions``).
+    driver_options: ClassVar[DriverOptions | None] = None
     #: ``"module:Class"`` of the sync driver (a :class:`~latchkey.stores.io.Driver`).
     sync_driver: ClassVar[str] = ""
     #: ``"module:Class"`` of the asyncio driver (an :class:`~latchkey.stores.io.aio.AsyncDriver`).
@@ -91,7 +93,8 @@ class Store:
     def force_release(self, name: str) -> Steps[bool]:
         raise NotImplementedError
 
-    def purge_expired(self) -> Steps[int]:
+    def purge_expired(self, limit: int | None) -> Steps[int]:
+        """Delete at most ``limit`` expired leases (every one if None); how many."""
         raise NotImplementedError
 
     def now(self) -> Steps[datetime]:
@@ -158,14 +161,15 @@ class StoreBackend(Backend):
         super().__init_subclass__(**kwargs)
         store = cls.__dict__.get("store_class")
         if store is not None:  # the store's scheme, capabilities and options, read by the core
-            cls.scheme, cls.capabilities, cls.options = (
+            cls.scheme, cls.capabilities, cls.options, cls.driver_options = (
                 store.scheme,
                 store.capabilities,
                 store.options,
+                store.driver_options,
             )
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
+    def __init__(self, url: StoreURL, client: Any = None) -> None:
+        super().__init__(url, client)
         self.store = self.store_class(self)
         self.io: Driver = _load(self.store_class.sync_driver)(self, self.store)
 
@@ -201,8 +205,8 @@ class StoreBackend(Backend):
     def force_release(self, name: str) -> bool:
         return self.io.run(self.store.force_release(name), "force release")
 
-    def purge_expired(self) -> int:
-        return self.io.run(self.store.purge_expired(), "purge")
+    def purge_expired(self, limit: int | None = None) -> int:
+        return self.io.run(self.store.purge_expired(limit), "purge")
 
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
@@ -292,14 +296,15 @@ class AsyncStoreBackend(AsyncBackend):
         super().__init_subclass__(**kwargs)
         store = cls.__dict__.get("store_class")
         if store is not None:  # the store's scheme, capabilities and options, read by the core
-            cls.scheme, cls.capabilities, cls.options = (
+            cls.scheme, cls.capabilities, cls.options, cls.driver_options = (
                 store.scheme,
                 store.capabilities,
                 store.options,
+                store.driver_options,
             )
 
-    def __init__(self, url: StoreURL) -> None:
-        super().__init__(url)
+    def __init__(self, url: StoreURL, client: Any = None) -> None:
+        super().__init__(url, client)
         self.store = self.store_class(self)
         self.io: AsyncDriver = _load(self.store_class.async_driver)(self, self.store)
 
@@ -337,8 +342,8 @@ class AsyncStoreBackend(AsyncBackend):
     async def force_release(self, name: str) -> bool:
         return await self.io.run(self.store.force_release(name), "force release")
 
-    async def purge_expired(self) -> int:
-        return await self.io.run(self.store.purge_expired(), "purge")
+    async def purge_expired(self, limit: int | None = None) -> int:
+        return await self.io.run(self.store.purge_expired(limit), "purge")
 
     async def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float

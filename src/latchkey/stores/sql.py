@@ -30,6 +30,9 @@ from latchkey.stores.io import Steps
 from latchkey.stores.primitives import Store
 
 T = TypeVar("T")
+
+#: ``PURGE``'s limit when the caller gave none: every expired row.
+ALL = 2**62
 Result = tuple[list[Any], int]
 
 
@@ -49,7 +52,8 @@ class LeaseTable(Store):
     - ``RELEASE`` (name, owner): ends our live lease, never another's → :meth:`was_live`;
     - ``INSPECT`` (name) and ``LIST`` (:meth:`prefix_params`): live holders as rows of
       (name, owner_info, token, acquired_at, expires_at), oldest first (LIST: by name);
-    - ``FORCE_RELEASE`` (name) → :meth:`was_live`; ``PURGE`` () → rowcount;
+    - ``FORCE_RELEASE`` (name) → :meth:`was_live`; ``PURGE`` (limit) → rowcount: at most
+      limit expired rows, through the expiry index;
     - ``RECORD_GET`` (name) → (value, version); ``RECORD_INSERT`` (name, value) creates only
       if absent (rowcount 0 otherwise); ``RECORD_UPDATE`` (value, name, version) and
       ``RECORD_DELETE`` (name, version) only if the version is still the one read;
@@ -105,8 +109,18 @@ class LeaseTable(Store):
 
     # -- primitives ------------------------------------------------------------------------------
 
+    def released(self, names: tuple[str, ...], everyone: bool = False) -> Steps[None]:
+        """After a release that ended leases of ``names`` has committed: wake their waiters
+        (the first in line; ``everyone`` after a force-release), where the dialect does not do
+        it in the statement itself (SQLite rings doorbells)."""
+        return
+        yield  # a generator
+
     def release(self, name: str, owner: str) -> Steps[bool]:
-        return self.was_live((yield Query(self.RELEASE, (name.encode(), owner))))
+        result = yield Query(self.RELEASE, (name.encode(), owner))
+        if result[0] or result[1] > 0:
+            yield from self.released((name,))
+        return self.was_live(result)
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
         rows, _ = yield Query(self.INSPECT, (name.encode(),))
@@ -117,10 +131,13 @@ class LeaseTable(Store):
         return list(group_by_name(rows, self.holder))
 
     def force_release(self, name: str) -> Steps[bool]:
-        return self.was_live((yield Query(self.FORCE_RELEASE, (name.encode(),))))
+        result = yield Query(self.FORCE_RELEASE, (name.encode(),))
+        if result[0] or result[1] > 0:
+            yield from self.released((name,), everyone=True)
+        return self.was_live(result)
 
-    def purge_expired(self) -> Steps[int]:
-        _, count = yield Query(self.PURGE)
+    def purge_expired(self, limit: int | None) -> Steps[int]:
+        _, count = yield Query(self.PURGE, (ALL if limit is None else limit,))
         return int(count)
 
     def record_get(self, name: str) -> Steps[tuple[str | None, int]]:

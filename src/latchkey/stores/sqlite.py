@@ -10,6 +10,11 @@ Each primitive is one statement, or one short ``BEGIN IMMEDIATE`` transaction th
 serialises across processes (WAL mode; readers never block). URL: ``sqlite:///relative.db``,
 ``sqlite:////absolute/path.db``; options ``?table=``, ``?synchronous=normal|full``,
 ``?timeout=`` (how long to wait for another process's write transaction).
+
+``latchkey.connect(client=engine)`` with a SQLAlchemy Engine over ``sqlite+pysqlite``: the
+engine's file, opened by latchkey's own connections as from a URL (the engine's pool is not
+used: latchkey's locking needs its own ``BEGIN IMMEDIATE`` transactions and WAL mode, which
+stays on the file); an in-memory database or a URI filename is a ConfigError.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from latchkey._url import Option, choice
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
+from latchkey.stores.io.doorbell import Listen, Ring
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import SQLITE, RowClaims
 from latchkey.stores.sql import LeaseTable, Query, chunks
@@ -89,7 +95,10 @@ LIST = (
 )
 # Drops every lease on a name. Out: one row per dropped lease, whether it was live.
 FORCE_RELEASE = f"DELETE FROM {{t}} WHERE name = ? RETURNING expires_at > {NOW_MS}"
-PURGE = f"DELETE FROM {{t}} WHERE expires_at <= {NOW_MS}"
+# In: limit. Deletes up to limit expired rows, oldest first, found through the expiry index
+# (one short write transaction: the purge's caller rests between batches). Rowcount.
+PURGE = f"""DELETE FROM {{t}} WHERE (name, slot) IN (
+    SELECT name, slot FROM {{t}} WHERE expires_at <= {NOW_MS} ORDER BY expires_at LIMIT ?)"""
 RECORD_GET = "SELECT value, version FROM {t}_records WHERE name = ?"
 # version 0: create only if absent.
 RECORD_INSERT = "INSERT OR IGNORE INTO {t}_records (name, value, version) VALUES (?, ?, 1)"
@@ -105,7 +114,7 @@ class SQLite(RowClaims, LeaseTable):
     """The lease table in one SQLite file (see the module docstring)."""
 
     scheme = "sqlite"
-    capabilities = Capabilities(rows=True)
+    capabilities = Capabilities(rows=True, push=True)
     ROWS = SQLITE
     options = {
         **LeaseTable.options,
@@ -227,7 +236,19 @@ class SQLite(RowClaims, LeaseTable):
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
         keys = [name.encode() for name in names]
-        return (yield from self.transaction(self._release_many(keys, owner)))
+        live = yield from self.transaction(self._release_many(keys, owner))
+        yield Ring(tuple(names))  # after the commit: a waiter woken sooner would find it held
+        return live
+
+    def released(self, names: tuple[str, ...], everyone: bool = False) -> Steps[None]:
+        yield Ring(names, everyone)
+
+    def wait_in_line(
+        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[Any]:
+        """A doorbell for ``name`` (``stores/io/doorbell.py``): releases by any process on this
+        machine wake the waiter at once; the core's backoff covers the rest (expiry)."""
+        return (yield Listen(name))
 
     def _release_many(self, keys: list[bytes], owner: str) -> Steps[int]:
         live = 0

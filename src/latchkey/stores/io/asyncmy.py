@@ -34,7 +34,8 @@ from asyncmy.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
-from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused, connect_args
+from latchkey.stores.io.mysql_dsn import async_args, connect_args
+from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -62,9 +63,7 @@ __all__ = ["ASYNC_DRIVER_ERRORS", "IDLE_PING", "AsyncmyDriver", "async_connect_a
 def async_connect_args(backend: BackendBase) -> dict[str, Any]:
     """asyncmy connect() arguments for a store URL: PyMySQL's, with the timeouts that are
     asyncio's here (every call runs under :func:`bounded`)."""
-    args = connect_args(backend)
-    del args["read_timeout"], args["write_timeout"]
-    return args
+    return async_args(connect_args(backend))
 
 
 async def drain(cur: Any, sql: str, params: Any) -> tuple[list[Any], int]:

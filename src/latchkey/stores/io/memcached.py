@@ -39,6 +39,14 @@ asks for :data:`_FIRST_READ` bytes (a buffer from Python's small-object allocato
 the common answer, is taken as is, anything else goes through :func:`take`. Bytes found in the
 buffer before a request are replies nobody asked for: the request fails (ProtocolError) rather
 than take them for its answer. OSError and ProtocolError become StoreUnavailable.
+
+**A borrowed client** (``latchkey.connect(client=pymemcache Client / PooledClient /
+HashClient)``): latchkey follows its servers (every server of a HashClient) and nothing else —
+pymemcache speaks no meta commands, so its sockets are of no use here. Connections are
+latchkey's own, made and bounded as above by the store's ``timeout`` (a client's
+``connect_timeout`` / ``timeout``, None by default in pymemcache, would let a call block for
+ever), and closed by ``store.close()``; the client is never touched. A client with a
+``tls_context`` or of a UNIX socket is a ConfigError (plain TCP only).
 """
 
 from __future__ import annotations

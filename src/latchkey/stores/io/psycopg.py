@@ -50,7 +50,7 @@ import psycopg
 from psycopg import sql
 
 from latchkey._types import Busy, Grant
-from latchkey._url import Option, StoreURL, choice
+from latchkey._url import DriverOptions, Option, StoreURL, choice, known_to
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive
@@ -205,6 +205,28 @@ CONNECTION_OPTIONS: Mapping[str, Option] = {
     "sslkey": Option(_text, None, "client key file (libpq sslkey)"),
 }
 
+#: libpq parameters that come from the URL's own parts (or that would make the connection
+#: something else: a replication connection cannot run our statements).
+_FROM_THE_URL = frozenset({"host", "port", "dbname", "user", "replication"})
+_LIBPQ: list[frozenset[str]] = []
+
+
+def _libpq_keywords() -> frozenset[str]:
+    """Every connection parameter this libpq knows (``PQconndefaults``), but the URL's parts."""
+    if not _LIBPQ:
+        known = {option.keyword.decode() for option in psycopg.pq.Conninfo.get_defaults()}
+        _LIBPQ.append(frozenset(known - _FROM_THE_URL))
+    return _LIBPQ[0]
+
+
+#: Any other libpq parameter in the URL (``connect_timeout``, ``application_name``,
+#: ``target_session_attrs``…) goes to libpq as given; ``options`` is added to ours.
+LIBPQ = DriverOptions(
+    known_to(_libpq_keywords),
+    "any libpq connection parameter but host, port, dbname, user and replication "
+    "(https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-PARAMKEYWORDS)",
+)
+
 
 def connection_params(
     url: StoreURL, config: Mapping[str, Any], application_name: str
@@ -234,6 +256,8 @@ def connection_params(
     for key in CONNECTION_OPTIONS:
         if config.get(key):
             params[key] = config[key]
+    for key, value in config.get("driver", {}).items():  # the user's libpq parameters win
+        params[key] = f"{params['options']} {value}" if key == "options" else value
     return params
 
 
@@ -431,6 +455,10 @@ class Link(Session):
         result = cur.pgresult
         tuples = result is not None and result.status == TUPLES_OK
         return (cur.fetchall() if tuples else []), cur.rowcount
+
+    def run_statement(self, cur: psycopg.Cursor[Any], sql: str, params: Any) -> None:
+        """A take's or a lease's statement in the application's style, on ``cur``."""
+        cur.execute(sql, params)
 
     def usable(self) -> bool:
         """After an error: whether the connection is idle and sound (else it is closed)."""
@@ -638,6 +666,15 @@ class PsycopgDriver(Driver):
         self.guard = self.timeout + MARGIN
         self.params = connection_params(backend.url, backend.config, "latchkey")
         self.pool: Pool[Link] = Pool(self._open, _close, alive=Link.alive)
+        if backend.client is not None:  # the application's pool or connection, borrowed
+            from latchkey.stores.io.psycopg_borrowed import BorrowedLinks, listener_params
+
+            self.pool = BorrowedLinks(self, backend.client)  # type: ignore[assignment]
+            own = {k: v for k, v in self.params.items() if k not in _FROM_THE_URL | {"password"}}
+            theirs = listener_params(backend.client)  # the client's own win, but for options:
+            if "options" in theirs:  # ours after theirs (statement_timeout, TimeZone)
+                theirs["options"] = f"{theirs['options']} {own['options']}"
+            self.params = {**own, **theirs}
         self.listener = Listener(lambda: connect(self.params), store.channel, self._unclaimed)
 
     def _open(self) -> Link:
@@ -734,7 +771,7 @@ def statement(link: Link, request: Statement) -> tuple[list[str] | None, list[An
     WATCHDOG.arm(link, link.driver.guard, link.fileno)
     try:
         cur = link.conn.cursor()
-        cur.execute(request.sql, request.params)  # params None: sent as is
+        link.run_statement(cur, request.sql, request.params)  # params None: sent as is
         if cur.description is None:
             return None, []
         return [column.name for column in cur.description], cur.fetchall()

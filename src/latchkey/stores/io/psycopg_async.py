@@ -430,6 +430,10 @@ class AsyncLink(AsyncSession):
 
         return await cut_after(run(), self.statement_guard, conn.pgconn.socket)
 
+    async def run_statement(self, cur: psycopg.AsyncCursor[Any], sql: str, params: Any) -> None:
+        """A take's or a lease's statement in the application's style, on ``cur``."""
+        await cur.execute(sql, params)
+
     def usable(self) -> bool:
         """After an error: whether the connection is idle and sound (else it is closed)."""
         conn = self.conn
@@ -457,6 +461,18 @@ class AsyncPsycopgDriver(AsyncDriver):
         # Semaphore is fair; the pool alone lets a newcomer take a connection freed for a
         # caller already waiting, and 1,000 polling waiters starved some past the timeout).
         self.turns = asyncio.Semaphore(self.pool.size)
+        if backend.client is not None:  # the application's pool, connection or engine
+            from latchkey.stores.io.psycopg import _FROM_THE_URL
+            from latchkey.stores.io.psycopg_borrowed import listener_params
+            from latchkey.stores.io.psycopg_borrowed_async import AsyncBorrowedLinks
+
+            self.pool = AsyncBorrowedLinks(self, backend.client)  # type: ignore[assignment]
+            self.turns = asyncio.Semaphore(self.pool.size)
+            own = {k: v for k, v in self.params.items() if k not in _FROM_THE_URL | {"password"}}
+            theirs = listener_params(backend.client)  # the client's own win, but for options:
+            if "options" in theirs:  # ours after theirs (statement_timeout, TimeZone)
+                theirs["options"] = f"{theirs['options']} {own['options']}"
+            self.params = {**own, **theirs}
         session = AsyncSession(self.params, self.timeout)  # the listener's connect and deadlines
         self.listener = AsyncListener(session, store.channel, self._unclaimed)
 
@@ -563,7 +579,7 @@ async def astatement(link: AsyncLink, request: Statement) -> tuple[list[str] | N
 
     async def run() -> tuple[list[str] | None, list[Any]]:
         cur = conn.cursor()
-        await cur.execute(request.sql, request.params)  # params None: sent as is
+        await link.run_statement(cur, request.sql, request.params)  # params None: sent as is
         if cur.description is None:
             return None, []
         return [column.name for column in cur.description], await cur.fetchall()

@@ -7,6 +7,16 @@ the store (:class:`Call`, :class:`Scan`) into a method call on a collection, and
 ``PyMongoError`` to StoreUnavailable (through :class:`~latchkey.stores.io.Driver`). Errors
 the store gives a meaning to (``DuplicateKeyError``, ``BulkWriteError``) are thrown into its
 generator first. The asyncio twin is :mod:`latchkey.stores.io.pymongo_async`.
+
+A borrowed client (``latchkey.connect(client=MongoClient(…))`` or a ``Database``): its pool,
+monitoring, AUTH and TLS are used as they are — latchkey opens no client of its own and never
+closes the application's. What latchkey's own client is given at creation is set where it can
+be without touching the application's: the collections and the admin database latchkey uses
+are taken with their own codec options (``tz_aware``, UTC), read preference (primary) and
+write concern (``majority``, as latchkey's URL default) — see :func:`borrowed_targets`; and
+every request runs inside ``pymongo.timeout(store timeout)`` (client-side operation timeout:
+one bound for the whole request, server selection and retries included, where latchkey's own
+client bounds each step). The client's own timeouts and retry settings apply within that.
 """
 
 from __future__ import annotations
@@ -14,13 +24,16 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timezone
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote_plus
 
-from pymongo import MongoClient
+import pymongo
+from bson.codec_options import CodecOptions
+from pymongo import MongoClient, ReadPreference, WriteConcern, uri_parser
 from pymongo.errors import ConfigurationError, PyMongoError
 
-from latchkey._url import StoreURL
+from latchkey._url import DriverOptions, StoreURL
 from latchkey.errors import ConfigError
 from latchkey.stores.io import Driver
 
@@ -30,13 +43,34 @@ if TYPE_CHECKING:
 Document = dict[str, Any]
 
 #: MongoDB connection-string options passed through to pymongo as given.
-PASSTHROUGH = (
-    "appName", "authMechanism", "authMechanismProperties", "authSource", "compressors",
-    "directConnection", "journal", "loadBalanced", "maxPoolSize", "minPoolSize",
-    "readConcernLevel", "readPreference", "replicaSet", "retryReads", "retryWrites", "ssl",
-    "tls", "tlsAllowInvalidCertificates", "tlsAllowInvalidHostnames", "tlsCAFile",
-    "tlsCertificateKeyFile", "tlsCertificateKeyFilePassword", "tlsInsecure", "w", "wTimeoutMS",
-)  # fmt: skip
+#: Client settings the store's code depends on: not to be changed from the URL.
+OURS = frozenset({"connect", "tz_aware", "datetime_conversion", "uuidrepresentation"})
+
+
+def pymongo_option(key: str, text: str) -> str:
+    """A ``DriverOptions.check`` by pymongo's own URI parser (``uri_parser.parse_uri``): any
+    URI option it knows (``serverSelectionTimeoutMS``, ``readPreference``…) with a value it
+    accepts."""
+    if key.lower() in OURS:
+        raise KeyError(key)
+    try:
+        uri_parser.parse_uri(f"mongodb://localhost/?{key}={quote_plus(text, safe=':,/')}",
+                             warn=False)  # fmt: skip
+    except ConfigurationError as exc:
+        if "unknown option" in str(exc).lower():
+            raise KeyError(key) from None
+        raise ValueError(str(exc)) from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+    return text
+
+
+#: Any other MongoDB connection-string option goes to pymongo as given.
+PYMONGO = DriverOptions(
+    pymongo_option,
+    "any MongoDB connection-string option pymongo knows "
+    "(https://www.mongodb.com/docs/manual/reference/connection-string-options/)",
+)
 
 
 class Call(NamedTuple):
@@ -61,33 +95,59 @@ class Scan(NamedTuple):
     stop: Callable[[Document], bool] | None = None
 
 
-def client_settings(url: StoreURL, timeout: float, database: str) -> tuple[str, dict[str, Any]]:
+def client_settings(
+    url: StoreURL, config: Mapping[str, Any], database: str
+) -> tuple[str, dict[str, Any]]:
     """The connection string and client keyword arguments for ``url``: the same for the sync
     and the asyncio client."""
+    timeout: float = config["timeout"]
     netloc = url.raw.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
-    given = {k: v for k, v in url.query.items() if k in PASSTHROUGH}
+    given: dict[str, str] = dict(config["driver"])
+    lower = {k.lower() for k in given}
     # pymongo unquotes values (unquote_plus), except authMechanismProperties' "K:V,K:V".
     query = "&".join(f"{k}={quote_plus(v, safe=':,/')}" for k, v in given.items())
     path = f"/{database}" if url.path.strip("/") else "/"
     uri = f"{url.scheme}://{netloc}{path}" + (f"?{query}" if query else "")
     ms = max(1, round(timeout * 1000))
-    kwargs: dict[str, Any] = {
-        "connect": False,
-        "tz_aware": True,
-        "serverSelectionTimeoutMS": ms,
-        "connectTimeoutMS": ms,
-        "socketTimeoutMS": ms,
-    }
-    if "retryReads" not in given:
+    kwargs: dict[str, Any] = {"connect": False, "tz_aware": True}
+    for option in ("serverSelectionTimeoutMS", "connectTimeoutMS", "socketTimeoutMS"):
+        if option.lower() not in lower:  # the URL's own wins over ?timeout=
+            kwargs[option] = ms
+    if "retryreads" not in lower:
         # A read that timed out is not tried again: on a frozen server pymongo's retry (and
         # the server selection before it) took three timeouts to fail. (timeoutMS would bound
         # the whole operation instead, but then a claim of 1,000 names must fit in one timeout.)
         kwargs["retryReads"] = False
-    if "w" not in given:
+    if "w" not in lower:
         kwargs["w"] = "majority"
-    if "appName" not in given:
+    if "appname" not in lower:
         kwargs["appname"] = "latchkey"
     return uri, kwargs
+
+
+#: A borrowed client's database settings, whatever the application's client defaults to:
+#: the store reads dates as aware UTC datetimes, and its writes are majority-acknowledged.
+BORROWED: dict[str, Any] = {
+    "codec_options": CodecOptions(tz_aware=True, tzinfo=timezone.utc),
+    "read_preference": ReadPreference.PRIMARY,
+    "write_concern": WriteConcern("majority"),
+}
+
+
+def borrowed_targets(root: Any, database: str, collection: str) -> dict[str, Any]:
+    """The store's targets (see :class:`Call`) over a borrowed client ``root`` (a MongoClient
+    or AsyncMongoClient, never a Database), with latchkey's settings (:data:`BORROWED`)."""
+    db = root.get_database(database, **BORROWED)
+    return {
+        "locks": db[collection],
+        "records": db[f"{collection}_records"],
+        "admin": root.get_database("admin", **BORROWED),
+    }
+
+
+def borrowed_root(client: Any, database_class: type[Any]) -> Any:
+    """The client behind a borrowed MongoClient or Database (of ``database_class``)."""
+    return client.client if isinstance(client, database_class) else client
 
 
 @contextlib.contextmanager
@@ -108,15 +168,30 @@ class MongoDriver(Driver):
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
-        uri, kwargs = client_settings(backend.url, backend.timeout, store.database)
+        #: Ours (closed by close()), or None over a borrowed client (module docstring).
+        self.client: MongoClient[Document] | None = None
+        if backend.client is not None:
+            from pymongo.database import Database
+
+            root = borrowed_root(backend.client, Database)
+            self.targets = borrowed_targets(root, store.database, store.collection)
+            self.locks, self.records = self.targets["locks"], self.targets["records"]
+            return
+        uri, kwargs = client_settings(backend.url, backend.config, store.database)
         with config_errors(backend.url):
-            self.client: MongoClient[Document] = MongoClient(uri, **kwargs)
+            self.client = MongoClient(uri, **kwargs)
         db = self.client[store.database]
         self.locks = db[store.collection]
         self.records = db[f"{store.collection}_records"]
         self.targets = {"locks": self.locks, "records": self.records, "admin": self.client.admin}
 
     def answer(self, request: Any) -> Any:
+        if self.client is None:  # borrowed: one bound for the whole request
+            with pymongo.timeout(self.backend.timeout):
+                return self._answer(request)
+        return self._answer(request)
+
+    def _answer(self, request: Any) -> Any:
         if type(request) is Call:
             return getattr(self.targets[request.target], request.method)(
                 *request.args, **request.kwargs
@@ -131,4 +206,5 @@ class MongoDriver(Driver):
         return docs
 
     def close(self) -> None:
-        self.client.close()
+        if self.client is not None:  # ours, never a borrowed one
+            self.client.close()

@@ -6,7 +6,8 @@ selection, connect and every socket read bounded by the URL's ``timeout``); the 
 a connection whose operation failed, timed out or was cancelled, and the next call connects
 again. A request that may grant a lease (``Call.grants``) is not dropped when its caller is
 cancelled: it finishes first, so that the core's release after the cancellation reaches the
-server after it (see :func:`to_the_end`).
+server after it (see :func:`to_the_end`). A borrowed ``AsyncMongoClient`` or
+``AsyncDatabase`` is used as the sync driver uses a borrowed client (its module docstring).
 """
 
 from __future__ import annotations
@@ -16,11 +17,19 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import pymongo
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
 from latchkey.stores.io.aio import AsyncDriver
-from latchkey.stores.io.pymongo import Call, Document, client_settings, config_errors
+from latchkey.stores.io.pymongo import (
+    Call,
+    Document,
+    borrowed_root,
+    borrowed_targets,
+    client_settings,
+    config_errors,
+)
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -53,15 +62,30 @@ class AsyncMongoDriver(AsyncDriver):
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
-        uri, kwargs = client_settings(backend.url, backend.timeout, store.database)
+        #: Ours (closed by aclose()), or None over a borrowed client.
+        self.client: AsyncMongoClient[Document] | None = None
+        if backend.client is not None:
+            from pymongo.asynchronous.database import AsyncDatabase
+
+            root = borrowed_root(backend.client, AsyncDatabase)
+            self.targets = borrowed_targets(root, store.database, store.collection)
+            self.locks, self.records = self.targets["locks"], self.targets["records"]
+            return
+        uri, kwargs = client_settings(backend.url, backend.config, store.database)
         with config_errors(backend.url):
-            self.client: AsyncMongoClient[Document] = AsyncMongoClient(uri, **kwargs)
+            self.client = AsyncMongoClient(uri, **kwargs)
         db = self.client[store.database]
         self.locks = db[store.collection]
         self.records = db[f"{store.collection}_records"]
         self.targets = {"locks": self.locks, "records": self.records, "admin": self.client.admin}
 
     async def answer(self, request: Any) -> Any:
+        if self.client is None:  # borrowed: one bound for the whole request
+            with pymongo.timeout(self.backend.timeout):
+                return await self._answer(request)
+        return await self._answer(request)
+
+    async def _answer(self, request: Any) -> Any:
         if type(request) is Call:
             method = getattr(self.targets[request.target], request.method)
             call = method(*request.args, **request.kwargs)
@@ -79,4 +103,5 @@ class AsyncMongoDriver(AsyncDriver):
         return docs
 
     async def aclose(self) -> None:
-        await self.client.close()
+        if self.client is not None:  # ours, never a borrowed one
+            await self.client.close()

@@ -11,7 +11,9 @@ as that :class:`~latchkey.stores.mysql.Refused` subclass (the statement was roll
 connection is kept); any other error closes the connection and becomes StoreUnavailable. Every
 socket operation is bounded by the store's timeout (PyMySQL's connect, read and write timeouts);
 the turn for a pooled connection is not (it waits behind this process's other calls, each of
-them bounded), as the wait for the one connection guarded by a lock was before.
+them bounded), as the wait for the one connection guarded by a lock was before. Over the
+application's own connection or engine (``connect(client=…)``) the pool is a
+:class:`~latchkey.stores.io.pymysql_borrowed.BorrowedPool` (that module says how it borrows).
 
 Idle connections the server ended (a restart, ``wait_timeout``, ``KILL``): PyMySQL has no
 public way to reach its socket, so :func:`connect` opens the socket itself and hands it to
@@ -154,9 +156,12 @@ class PyMySQLDriver(Driver):
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
-        self.pool: Pool[Connection] = Pool(
-            self._open, Connection.close, alive=Connection.alive, size=POOL_SIZE
-        )
+        if backend.client is not None:  # the application's connection or engine
+            from latchkey.stores.io.pymysql_borrowed import BorrowedPool
+
+            self.pool: Pool[Connection] = BorrowedPool(self, backend.client)  # type: ignore[assignment]
+            return
+        self.pool = Pool(self._open, Connection.close, alive=Connection.alive, size=POOL_SIZE)
 
     def _open(self) -> Connection:
         args = self.store.connect_args
@@ -204,6 +209,12 @@ class PyMySQLDriver(Driver):
         pool = self.pool
         with self.backend.translate("connect", self.errors):
             pooled = pool.get()
+            if hasattr(pooled, "hold"):  # borrowed: latchkey's settings for the transaction
+                try:
+                    pooled.hold()
+                except BaseException:
+                    pool.discard(pooled)
+                    raise
 
         def answer(request: Any) -> Any:
             if type(request) is Statement:

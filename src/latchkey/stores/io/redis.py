@@ -21,6 +21,18 @@ one StoreUnavailable instead of a silent reconnect. An error reply keeps the con
 was read in full); any other error closes it.
 
 Waiting: one pub/sub connection per backend, shared by every waiter (:class:`Listener`).
+
+A borrowed client (``latchkey.connect(client=redis.Redis(…))``): its pool's connection class
+and settings (host, db, AUTH or credential provider, TLS, client name) make our connections,
+with latchkey's own on top (replies decoded, RESP2, the store's timeout on every socket
+operation, no retries); they are kept in our stack like any others, and :meth:`close` closes
+them and never the client (:func:`borrowed_settings`). Not taken from the client's pool
+(``get_connection``/``release``), because: that pool's lock and bookkeeping are the cost
+this driver avoids on every call (see :class:`Connections`); its connections decode replies
+and speak the protocol the application chose (RESP3, bytes), which our reply parsing does
+not expect; the pub/sub listener holds its connection for as long as anyone waits, which a
+bounded ``BlockingConnectionPool`` would lose to the application; and a ``timeout=`` of the
+store must bound our calls whatever the client's socket timeout is (none by default).
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
 from latchkey.stores.io import Driver, Steps, after_fork
@@ -49,6 +62,30 @@ if TYPE_CHECKING:
 CHECK_AFTER = 0.001
 ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 T = TypeVar("T")
+
+
+def borrowed_settings(
+    client: Any, timeout: float | None, retry: Any = None
+) -> tuple[type, dict[str, Any]]:
+    """The connection class and arguments of our connections made after a borrowed client's
+    (sync or asyncio redis-py): its pool's settings, latchkey's reply format, timeout and no
+    retries (``retry``: the asyncio flavour's Retry object) on top."""
+    pool = client.connection_pool
+    # Not the pool's maintenance-notification state (redis-py >= 7: RESP3 only, and the
+    # pool's own handler): our connections speak RESP2 and belong to no pool of redis-py's.
+    kept = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        if not key.startswith(("maint_notifications", "orig_"))
+    }
+    return pool.connection_class, {
+        **kept,
+        "decode_responses": True,
+        "protocol": 2,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": retry or Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+    }
 
 
 def settings(store: Redis) -> dict[str, Any]:
@@ -154,17 +191,25 @@ class RedisDriver(Driver):
     def __init__(self, backend: BackendBase, store: Redis) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        self.client = redis.Redis(  # its settings make our connections; also an admin client
-            **settings(store),
-            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
-        )
-        pool = self.client.connection_pool
-        self.new_connection: Callable[[], Any] = functools.partial(
-            pool.connection_class, **pool.connection_kwargs
-        )
+        if backend.client is not None:  # borrowed: its settings make ours (module docstring)
+            self.client: redis.Redis | None = None
+            cls, kwargs = borrowed_settings(backend.client, self.timeout)
+        else:
+            self.client = self.make_client(store)  # its settings make our connections
+            cls = self.client.connection_pool.connection_class
+            kwargs = self.client.connection_pool.connection_kwargs
+        self.new_connection: Callable[[], Any] = functools.partial(cls, **kwargs)
         self.pool = Connections()
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
+
+    def make_client(self, store: Redis) -> redis.Redis:
+        """The redis-py client whose connection pool's class and settings make ours (the
+        Sentinel driver's makes connections that find the current master)."""
+        return redis.Redis(
+            **settings(store),
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+        )
 
     def run(self, steps: Steps[T], action: str) -> T:
         """:meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in: one call
@@ -246,16 +291,19 @@ class RedisDriver(Driver):
                 self._listener.close()
             self._listener = None
         self.pool.close()
-        self.client.close()
+        if self.client is not None:  # ours, never a borrowed one
+            self.client.close()
 
 
 class Slot:
-    """One waiter's mailbox: set when a release of its name was announced."""
+    """One waiter's mailbox: set when a release of its name was announced to it; ``rung``:
+    it has been, at least once (see :meth:`Listener.remove`)."""
 
-    __slots__ = ("woke",)
+    __slots__ = ("rung", "woke")
 
     def __init__(self) -> None:
         self.woke = False
+        self.rung = False
 
 
 class Listener:
@@ -267,19 +315,32 @@ class Listener:
     ends another waiter takes over reading. Messages that arrive while nobody waits stay in
     the socket until the next wait.
 
+    One announced release wakes one waiter of this process, the one that came first and is
+    not woken yet: with every waiter woken, 1,000 waiters of one name tried the store 1,000
+    times per release. A waiter that was woken and leaves without the lease (its deadline, a
+    cancellation) passes the wake-up to the next (:meth:`remove`).
+
     Replies to SUBSCRIBE/UNSUBSCRIBE come back in order, so each command gets a sequence
     number and ``add`` returns only once the reply to its own SUBSCRIBE was read: from then
     on the server delivers every PUBLISH on the channel. A channel is unsubscribed when its
     last waiter leaves. If the connection fails, every waiter wakes once (its next acquire
     reports the error or succeeds), later waits just sleep, and the backend opens a new
     listener for the next subscribe.
+
+    The commands and reply kinds are class attributes: the Redis Cluster driver's listener
+    (:mod:`latchkey.stores.io.redis_cluster`) speaks sharded pub/sub with the same code.
     """
+
+    SUBSCRIBE = "SUBSCRIBE"
+    UNSUBSCRIBE = "UNSUBSCRIBE"
+    ACKS: tuple[str, ...] = ("subscribe", "unsubscribe")
+    MESSAGE = "message"
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.pid = os.getpid()
         self.cond = threading.Condition()
-        self.channels: dict[str, set[Slot]] = {}
+        self.channels: dict[str, dict[Slot, None]] = {}  # in the order the waiters came
         self.subscribed_at: dict[str, int] = {}  # channel -> sequence number of its SUBSCRIBE
         self.sent = 0
         self.acked = 0
@@ -327,11 +388,10 @@ class Listener:
     def _dispatch(self, reply: Any) -> None:
         kind = reply[0]
         with self.cond:
-            if kind in ("subscribe", "unsubscribe"):
+            if kind in self.ACKS:
                 self.acked += 1
-            elif kind == "message":
-                for slot in self.channels.get(reply[1], ()):
-                    slot.woke = True
+            elif kind == self.MESSAGE:
+                _wake_first(self.channels.get(reply[1], {}))
             self.cond.notify_all()
 
     def add(self, channel: str, timeout: float) -> Slot:
@@ -340,11 +400,11 @@ class Listener:
             if self.error is not None:
                 raise self.error
             if channel not in self.channels:
-                self.channels[channel] = set()
+                self.channels[channel] = {}
                 self.sent += 1
                 self.subscribed_at[channel] = self.sent
-                self.conn.send_command("SUBSCRIBE", channel, check_health=False)
-            self.channels[channel].add(slot)
+                self.conn.send_command(self.SUBSCRIBE, channel, check_health=False)
+            self.channels[channel][slot] = None
             seq = self.subscribed_at[channel]
         if not self._pump(lambda: self.acked >= seq, timeout):
             self.remove(channel, slot)
@@ -362,25 +422,38 @@ class Listener:
             woke, slot.woke = slot.woke, False
         return woke and self.error is None
 
-    def remove(self, channel: str, slot: Slot) -> None:
+    def remove(self, channel: str, slot: Slot, pass_on: bool = False) -> None:
+        """``slot``'s waiter leaves; ``pass_on``: it was woken and did not get the lease, so
+        the next waiter is woken in its place."""
         with self.cond:
             slots = self.channels.get(channel)
             if slots is None:
                 return
-            slots.discard(slot)
+            slots.pop(slot, None)
+            if pass_on and _wake_first(slots):
+                self.cond.notify_all()
             if slots or self.error is not None or self.closed:
                 return
             del self.channels[channel]
             del self.subscribed_at[channel]
             self.sent += 1
             try:
-                self.conn.send_command("UNSUBSCRIBE", channel, check_health=False)
+                self.conn.send_command(self.UNSUBSCRIBE, channel, check_health=False)
             except ERRORS as exc:
                 self.error = exc
 
     def close(self) -> None:
         self.closed = True
         self.conn.disconnect()
+
+
+def _wake_first(slots: dict[Slot, None]) -> bool:
+    """Wake the first waiter not woken yet; False if there is none."""
+    for slot in slots:
+        if not slot.woke:
+            slot.woke = slot.rung = True
+            return True
+    return False
 
 
 class PushWaiter(Waiter):
@@ -390,9 +463,14 @@ class PushWaiter(Waiter):
         self._listener = listener
         self._channel = channel
         self._slot = slot
+        self._granted = False
 
     def wait(self, timeout: float) -> bool:
         return self._listener.wait(self._slot, timeout)
 
+    def finish(self, result: Grant | Busy) -> None:
+        self._granted = type(result) is Grant
+
     def close(self) -> None:
-        self._listener.remove(self._channel, self._slot)
+        pass_on = self._slot.rung and not self._granted
+        self._listener.remove(self._channel, self._slot, pass_on)

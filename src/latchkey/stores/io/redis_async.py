@@ -38,11 +38,18 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver
-from latchkey.stores.io.redis import CHECK_AFTER, pack, pack_script, settings
+from latchkey.stores.io.redis import (
+    CHECK_AFTER,
+    borrowed_settings,
+    pack,
+    pack_script,
+    settings,
+)
 from latchkey.stores.redis import Command, Subscribe
 
 if TYPE_CHECKING:
@@ -83,19 +90,28 @@ class AsyncRedisDriver(AsyncDriver):
     def __init__(self, backend: BackendBase, store: Redis) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        self.client = redis.asyncio.Redis(  # its settings make our connections; also an admin
-            **{**settings(store), "socket_timeout": None},
-            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
-        )
-        pool = self.client.connection_pool
-        self.new_connection: Callable[[], Any] = functools.partial(
-            pool.connection_class, **pool.connection_kwargs
-        )
+        if backend.client is not None:  # borrowed: its settings make ours (see io.redis)
+            self.client: redis.asyncio.Redis | None = None
+            cls, kwargs = borrowed_settings(backend.client, self.timeout, Retry(NoBackoff(), 0))
+            kwargs["socket_timeout"] = None  # one deadline per request (module docstring)
+        else:
+            self.client = self.make_client(store)  # its settings make our connections
+            cls = self.client.connection_pool.connection_class
+            kwargs = self.client.connection_pool.connection_kwargs
+        self.new_connection: Callable[[], Any] = functools.partial(cls, **kwargs)
 
         self.idle: list[tuple[Any, float]] = []  # (connection, when it was given back)
         self._turns = asyncio.Semaphore(POOL_SIZE)  # fair: first come first served
         self._listener: Listener | None = None
         self._listener_lock = asyncio.Lock()
+
+    def make_client(self, store: Redis) -> redis.asyncio.Redis:
+        """The client whose connection pool's class and settings make ours (see the sync
+        driver's); no socket timeout: each request has one deadline (module docstring)."""
+        return redis.asyncio.Redis(
+            **{**settings(store), "socket_timeout": None},
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+        )
 
     async def run(self, steps: Steps[T], action: str) -> T:
         """:meth:`AsyncDriver.run` with :func:`~latchkey.stores.io.aio.adrive` written in: one
@@ -179,14 +195,19 @@ class AsyncRedisDriver(AsyncDriver):
             return current
 
     async def aclose(self) -> None:
+        """Close every connection, whatever the server's state: a step that fails (a server
+        gone or frozen while a connection closes) does not leave the later ones open."""
         async with self._listener_lock:
-            if self._listener is not None:
-                await self._listener.close()
-            self._listener = None
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(*ERRORS):
+                await listener.close()
         idle, self.idle = self.idle, []
         for conn, _ in idle:
             await _close(conn)
-        await self.client.aclose()
+        if self.client is not None:  # ours, never a borrowed one
+            with contextlib.suppress(*ERRORS):
+                await self.client.aclose()
 
 
 class Listener:
@@ -200,12 +221,20 @@ class Listener:
     its last waiter leaves. If the connection fails (or a SUBSCRIBE goes unanswered within
     the timeout), every waiter wakes once, later waits just sleep (the core polls), and the
     backend opens a new listener for the next subscribe.
+
+    The commands and reply kinds are class attributes: the Redis Cluster driver's listener
+    speaks sharded pub/sub (SSUBSCRIBE, ``smessage``) with the same code.
     """
+
+    SUBSCRIBE = "SUBSCRIBE"
+    UNSUBSCRIBE = "UNSUBSCRIBE"
+    ACKS: tuple[str, ...] = ("subscribe", "unsubscribe")
+    MESSAGE = "message"
 
     def __init__(self, conn: Any, timeout: float) -> None:
         self.conn = conn  # made with the pool's settings but not in it: nobody else sends on it
         self.timeout = timeout
-        self.channels: dict[str, set[asyncio.Event]] = {}
+        self.channels: dict[str, dict[Bell, None]] = {}  # in the order the waiters came
         self.subscribed: dict[str, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE's reply
         self.replies: dict[int, asyncio.Future[None]] = {}  # sequence number -> reply read
         self.sent = 0
@@ -229,10 +258,9 @@ class Listener:
             while True:
                 reply = await self.conn.read_response()  # no socket timeout: waits for news
                 kind = reply[0]
-                if kind == "message":
-                    for event in self.channels.get(reply[1], ()):
-                        event.set()
-                elif kind in ("subscribe", "unsubscribe"):
+                if kind == self.MESSAGE:  # one waiter: see the sync Listener
+                    _wake_first(self.channels.get(reply[1], {}))
+                elif kind in self.ACKS:
                     self.acked += 1
                     done = self.replies.pop(self.acked, None)
                     if done is not None and not done.done():
@@ -266,18 +294,18 @@ class Listener:
                 self._fail(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
                 raise
 
-    async def add(self, channel: str) -> asyncio.Event:
+    async def add(self, channel: str) -> Bell:
         """Subscribe a new waiter to ``channel``; returns once the server confirmed it."""
         if self.error is not None:
             raise self.error
-        event = asyncio.Event()
-        self.channels.setdefault(channel, set()).add(event)
+        event = Bell()
+        self.channels.setdefault(channel, {})[event] = None
         try:
             subscribed = self.subscribed.get(channel)
             if subscribed is None:  # the channel's first waiter (since its last UNSUBSCRIBE)
                 subscribed = asyncio.get_running_loop().create_future()
                 self.subscribed[channel] = subscribed
-                await self._send("SUBSCRIBE", channel, subscribed)
+                await self._send(self.SUBSCRIBE, channel, subscribed)
             try:
                 async with _deadline(self.timeout):
                     await asyncio.shield(subscribed)  # shared by the channel's waiters
@@ -292,33 +320,56 @@ class Listener:
             raise
         return event
 
-    async def remove(self, channel: str, event: asyncio.Event) -> None:
+    async def remove(self, channel: str, event: Bell, pass_on: bool = False) -> None:
+        """``event``'s waiter leaves; ``pass_on``: it was woken and did not get the lease, so
+        the next waiter is woken in its place."""
         events = self.channels.get(channel)
         if events is None:
             return
-        events.discard(event)
+        events.pop(event, None)
+        if pass_on:
+            _wake_first(events)
         if events or self.error is not None:
             return
         del self.channels[channel]
         self.subscribed.pop(channel, None)
         with contextlib.suppress(*ERRORS):  # the listener failed (see _send): the next
-            await self._send("UNSUBSCRIBE", channel, None)  # subscribe opens a new one
+            await self._send(self.UNSUBSCRIBE, channel, None)  # subscribe opens a new one
 
     async def close(self) -> None:
         self._fail(ConnectionError("the backend was closed"))
         if self.task is not None:
             await asyncio.wait([self.task])
-        await self.conn.disconnect()
+        await _close(self.conn)  # at once: nothing is left to read or send on it
+
+
+class Bell(asyncio.Event):
+    """One waiter's wake-up; ``rung``: it has been woken at least once."""
+
+    rung = False
+
+
+def _wake_first(events: dict[Bell, None]) -> None:
+    """Wake the first waiter not woken yet."""
+    for event in events:
+        if not event.is_set():
+            event.rung = True
+            event.set()
+            return
 
 
 class PushWaiter(AsyncWaiter):
     """Woken by a PUBLISH from a release script; sleeps (the core polls) if the listener
     failed."""
 
-    def __init__(self, listener: Listener, channel: str, event: asyncio.Event) -> None:
+    def __init__(self, listener: Listener, channel: str, event: Bell) -> None:
         self._listener = listener
         self._channel = channel
         self._event = event
+        self._granted = False
+
+    async def finish(self, result: Grant | Busy) -> None:
+        self._granted = type(result) is Grant
 
     async def wait(self, timeout: float) -> bool:
         listener, event = self._listener, self._event
@@ -335,4 +386,5 @@ class PushWaiter(AsyncWaiter):
         return listener.error is None
 
     async def close(self) -> None:
-        await self._listener.remove(self._channel, self._event)
+        pass_on = self._event.rung and not self._granted
+        await self._listener.remove(self._channel, self._event, pass_on)

@@ -19,9 +19,9 @@ from typing import Any
 import asyncmy
 
 from latchkey.stores.io.aio import bounded
+from latchkey.stores.io.mysql_dsn import async_args, connect_args
 from latchkey.stores.io.sessions import Session
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
-from latchkey.stores.mysql import connect_args
 from latchkey.stores.sessionlocks import DONE, ROWS, Statement
 
 ERRORS: tuple[type[BaseException], ...] = (asyncmy.errors.MySQLError, OSError, asyncio.TimeoutError)
@@ -43,8 +43,7 @@ class AsyncmySessions(AsyncSessionDriver):
 
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
-        self.args = connect_args(backend)
-        del self.args["read_timeout"], self.args["write_timeout"]  # asyncio's, per call
+        self.args = async_args(connect_args(backend))  # timeouts: asyncio's, per call
 
     async def connect(self, spare: bool) -> AsyncmySession:
         conn = await bounded(asyncmy.connect(**self.args), self.timeout)

@@ -24,9 +24,9 @@ from typing import Any
 
 import pymysql
 
+from latchkey.stores.io.mysql_dsn import connect_args
 from latchkey.stores.io.pymysql import connect, socket_of
 from latchkey.stores.io.sessions import Session, SessionDriver
-from latchkey.stores.mysql import connect_args
 from latchkey.stores.sessionlocks import ROWS, YES, Statement
 
 ERRORS = (pymysql.err.MySQLError, OSError)

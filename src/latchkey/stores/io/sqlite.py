@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned
+from latchkey.stores.io.doorbell import AsyncBell, Bell, Doorbells, Listen, Ring
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class SQLiteDriver(Driver):
         #: Connections of their own for takes (rows.take): a take's write transaction must
         #: not hold the shared connection, nor share it with another thread's primitives.
         self._pins: Pool[sqlite3.Connection] = Pool(self._open, _close, size=PIN_POOL_SIZE)
+        #: Wake-ups between processes on this machine (none for an in-memory database).
+        self.bells = Doorbells(store.path) if store.path != ":memory:" else None
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is not None and self._pid == os.getpid():
@@ -75,6 +78,9 @@ class SQLiteDriver(Driver):
         return conn
 
     def answer(self, request: Any) -> Any:
+        kind = type(request)
+        if kind is Ring or kind is Listen:
+            return doorbell(self.bells, request)
         sql, params, many = request
         conn = self._conn
         assert conn is not None
@@ -100,13 +106,18 @@ class SQLiteDriver(Driver):
         def give_back(conn: sqlite3.Connection, reuse: bool) -> None:
             (pins.put if reuse and not conn.in_transaction else pins.discard)(conn)
 
-        return Pinned(self, conn, lambda request: answer_on(conn, request), give_back, user_error)
+        bells = self.bells
+        return Pinned(
+            self, conn, lambda request: answer_on(conn, request, bells), give_back, user_error
+        )
 
     def close(self) -> None:
         with self._mutex:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             self._conn = None
+            if self.bells is not None:
+                self.bells.close()
         self._pins.close()
 
 
@@ -127,7 +138,10 @@ class AsyncSQLiteDriver(AsyncDriver):
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="latchkey-sqlite")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._sync.run, steps, action)
+        answer = await loop.run_in_executor(self._thread, self._sync.run, steps, action)
+        if isinstance(answer, Bell):  # wait_in_line's doorbell: the loop watches its socket
+            return AsyncBell(answer.sock, answer.bells, answer.name)  # type: ignore[return-value]
+        return answer
 
     async def pin(self) -> AsyncPinned:
         """A take's connection (the sync driver's) with a worker thread of its own for its
@@ -142,8 +156,10 @@ class AsyncSQLiteDriver(AsyncDriver):
             thread.shutdown(wait=False)
             raise
 
+        bells = self._sync.bells
+
         async def answer(request: Any) -> Any:
-            return await loop.run_in_executor(thread, answer_on, pinned.conn, request)
+            return await loop.run_in_executor(thread, answer_on, pinned.conn, request, bells)
 
         async def give_back(conn: Any, reuse: bool) -> None:
             pinned.broken = not reuse
@@ -186,10 +202,23 @@ def _close(conn: sqlite3.Connection) -> None:
     conn.close()
 
 
-def answer_on(conn: sqlite3.Connection, request: Any) -> Any:
-    """One request on ``conn``: a Query (``(rows, rowcount)``) or a Statement (``(columns,
-    rows)``)."""
-    if type(request) is Statement:
+def doorbell(bells: Doorbells | None, request: Ring | Listen) -> Bell | None:
+    """Ring: wake waiters (answers None). Listen: a waiter's Bell, or None (no bells here)."""
+    if isinstance(request, Ring):
+        if bells is not None:
+            bells.ring(request.names, request.everyone)
+        return None
+    sock = None if bells is None else bells.listen(request.name)
+    return None if sock is None or bells is None else Bell(sock, bells, request.name)
+
+
+def answer_on(conn: sqlite3.Connection, request: Any, bells: Doorbells | None) -> Any:
+    """One request on ``conn``: a Query (``(rows, rowcount)``), a Statement (``(columns,
+    rows)``), or a doorbell's (see :func:`doorbell`)."""
+    kind = type(request)
+    if kind is Ring or kind is Listen:
+        return doorbell(bells, request)
+    if kind is Statement:
         cur = conn.execute(request.sql, () if request.params is None else request.params)
         columns = [column[0] for column in cur.description] if cur.description else None
         return columns, cur.fetchall()

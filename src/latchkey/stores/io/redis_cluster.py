@@ -1,0 +1,258 @@
+"""Redis Cluster through redis-py's ``RedisCluster``: the sync driver of
+:class:`latchkey.stores.redis_cluster.RedisCluster`.
+
+Requests go through the client's public ``execute_command``: it routes each script by its
+keys' slot (all keys of one script share a slot: the store groups them), follows MOVED and
+ASK, and re-reads the cluster's layout after a connection error. It is made with no retries
+(``Retry(NoBackoff(), 0)``): a primitive never retries, the core decides; after a master
+fails, the call that met it raises StoreUnavailable and the next one goes to the layout the
+client read since (a promoted replica, once the cluster has promoted one). A script is sent
+as EVALSHA and loaded on its slot's master (SCRIPT LOAD) when that node answers NOSCRIPT.
+
+The client connects to the cluster when it is made, so it is made on first use (and again
+in a forked child, which leaves its parent's sockets alone).
+
+A :class:`~latchkey.stores.redis_cluster.Batch` of scripts (a claim's slots) goes in one
+pipeline per master (one round trip per node), each part's error answered as its reply: the
+store decides what a failed part means (it gives the whole claim back).
+
+Waiting: sharded pub/sub. One listener connection per master (:class:`ShardedListener`, the
+plain Redis driver's :class:`~latchkey.stores.io.redis.Listener` speaking SSUBSCRIBE), made
+for the master that holds the channel's slot. If the slot moves or the master fails, the
+connection ends or stops hearing: its waiters wake once and poll, and the next subscribe opens
+a listener on the slot's master as the client knows it then.
+
+Not the plain driver's hand-packed RESP over its own connection list: speed on a cluster was
+not measured against it; the cluster client's routing is what this driver is for.
+
+A borrowed cluster client (``latchkey.connect(client=RedisCluster(…))``) is followed, not
+used: its startup nodes and AUTH make this driver's own cluster client and listener
+connections, with latchkey's timeout, RESP2 and decoded replies (the scripts' replies are
+parsed as text; the application's client may read bytes or speak RESP3), and :meth:`close`
+never closes it. Other settings of the application's client (TLS, say) are not carried over.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from latchkey.stores.base import Waiter
+from latchkey.stores.io import Driver, after_fork
+from latchkey.stores.io.redis import Listener, PushWaiter
+from latchkey.stores.redis import Command, Subscribe
+from latchkey.stores.redis_cluster import Batch, Masters, OnNode
+
+if TYPE_CHECKING:
+    from latchkey.stores.base import BackendBase
+    from latchkey.stores.redis import Script
+    from latchkey.stores.redis_cluster import RedisCluster
+
+# redis-py's cluster client, its node and connection classes are untyped: used as Any
+Client: Any = redis.cluster.RedisCluster
+Node: Any = redis.cluster.ClusterNode
+Connection: Any = redis.Connection
+ERRORS: tuple[type[BaseException], ...] = (
+    redis.RedisError,
+    redis.exceptions.RedisClusterException,  # "no node for this slot", the layout unreadable
+    OSError,
+)
+
+
+def cluster_settings(store: RedisCluster) -> dict[str, Any]:
+    """The arguments of redis-py's cluster clients (sync and asyncio) for a store: every node
+    of the URL as a startup node, AUTH, the store's timeout, RESP2, replies decoded."""
+    url, timeout = store.url, store.config["timeout"]
+    return {
+        "startup_nodes": [Node(host or "localhost", port or 6379) for host, port in url.hosts],
+        "username": url.username,
+        "password": url.password,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": True,
+        "protocol": 2,
+    }
+
+
+def node_settings(store: RedisCluster) -> dict[str, Any]:
+    """A listener connection's settings (its node's host and port are added)."""
+    url, timeout = store.url, store.config["timeout"]
+    return {
+        "username": url.username,
+        "password": url.password,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "decode_responses": True,
+        "protocol": 2,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+NoScript = redis.exceptions.NoScriptError
+
+
+def _moved(reply: Any) -> bool:
+    """A redirection a plain node client does not follow: ``MOVED slot host:port`` or ASK."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED ", "ASK "))
+
+
+def scan_reply(reply: Any) -> Any:
+    """SCAN through the cluster client comes back as ``({node: cursor}, keys)``: the plain
+    ``(cursor, keys)`` of the one node asked."""
+    cursor, keys = reply
+    if isinstance(cursor, dict):
+        (cursor,) = cursor.values()
+    return cursor, keys
+
+
+class ShardedListener(Listener):
+    """The shared listener on sharded pub/sub: SSUBSCRIBE, SUNSUBSCRIBE, ``smessage``."""
+
+    SUBSCRIBE = "SSUBSCRIBE"
+    UNSUBSCRIBE = "SUNSUBSCRIBE"
+    ACKS = ("ssubscribe", "sunsubscribe")
+    MESSAGE = "smessage"
+
+
+class ClusterDriver(Driver):
+    """Runs each request through a RedisCluster client; answers Subscribe with a waiter."""
+
+    errors = ERRORS
+
+    def __init__(self, backend: BackendBase, store: RedisCluster) -> None:
+        super().__init__(backend, store)
+        self.timeout = backend.timeout
+        self._client: Any = None
+        self._listeners: dict[str, Listener] = {}  # node name -> its listener
+        self._lock = threading.Lock()
+        after_fork(self)
+
+    def forget_after_fork(self) -> None:
+        self._client, self._listeners = None, {}  # the parent's sockets: not ours to close
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The cluster client, made (and connected) on first use."""
+        client = self._client
+        if client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = Client(
+                        **cluster_settings(self.store),
+                        retry=Retry(NoBackoff(), 0),  # a primitive never retries
+                    )
+                client = self._client
+        return client
+
+    def answer(self, request: Any) -> Any:
+        kind = type(request)
+        if kind is tuple:  # a Script
+            return self.script(request)
+        if kind is Command:
+            return self.client.execute_command(*request.words)
+        if kind is Batch:
+            return self.batch(request.scripts)
+        if kind is OnNode:
+            client = self.client
+            node = client.get_node(node_name=request.node)
+            reply = client.execute_command(*request.words, target_nodes=node)
+            return scan_reply(reply) if request.words[0] == "SCAN" else reply
+        if kind is Masters:
+            return [node.name for node in self.client.get_primaries()]
+        if kind is Subscribe:
+            return self.subscribe(request.channel)
+        raise TypeError(f"not a Redis Cluster request: {request!r}")
+
+    def script(self, request: Script) -> Any:
+        lua, keys, args = request
+        client = self.client
+        words: Sequence[Any] = ("EVALSHA", lua.sha, len(keys), *keys, *args)
+        try:
+            return client.execute_command(*words)
+        except redis.exceptions.NoScriptError:
+            node = client.get_node_from_key(keys[0])
+            client.execute_command("SCRIPT", "LOAD", lua.text, target_nodes=node)
+            return client.execute_command(*words)
+
+    def batch(self, scripts: Sequence[Script]) -> list[Any]:
+        """The scripts in one pipeline per master (one round trip per node, through the
+        node's own client: redis-py's cluster pipeline asks the server ``COMMAND GETKEYS``
+        for every EVALSHA, a round trip each). A part a node answers NOSCRIPT is loaded
+        there and sent again; one it answers MOVED or ASK (its slot moved) is sent again
+        through the cluster client, which follows the redirection and updates its map."""
+        client = self.client
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for i, (_, keys, _) in enumerate(scripts):
+            node = client.get_node_from_key(keys[0])
+            nodes[node.name] = node
+            by_node.setdefault(node.name, []).append(i)
+        replies: list[Any] = [None] * len(scripts)
+        for name, indexes in by_node.items():
+            node_client = client.get_redis_connection(nodes[name])
+            parts = [scripts[i] for i in indexes]
+            answers = self._pipeline(node_client, parts)
+            missing = [j for j, r in enumerate(answers) if isinstance(r, NoScript)]
+            if missing:
+                for lua in {parts[j][0] for j in missing}:
+                    node_client.execute_command("SCRIPT", "LOAD", lua.text)
+                again = self._pipeline(node_client, [parts[j] for j in missing])
+                for j, reply in zip(missing, again, strict=True):
+                    answers[j] = reply
+            for i, reply in zip(indexes, answers, strict=True):
+                replies[i] = self._part(scripts[i]) if _moved(reply) else reply
+        return replies
+
+    def _part(self, request: Script) -> Any:
+        try:
+            return self.script(request)
+        except ERRORS as exc:
+            return exc
+
+    @staticmethod
+    def _pipeline(node_client: Any, scripts: Sequence[Script]) -> list[Any]:
+        """Each script's reply or error on one node; a pipeline that failed as a whole (the
+        node unreachable) is that error for every part (some may have run: the store gives
+        the whole batch back)."""
+        pipe = node_client.pipeline(transaction=False)
+        for lua, keys, args in scripts:
+            pipe.execute_command("EVALSHA", lua.sha, len(keys), *keys, *args)
+        try:
+            return list(pipe.execute(raise_on_error=False))
+        except ERRORS as exc:
+            return [exc] * len(scripts)
+
+    def subscribe(self, channel: str) -> Waiter:
+        """A waiter subscribed (confirmed) to ``channel`` on the master of its slot."""
+        try:
+            listener = self._listener(self.client.get_node_from_key(channel))
+            slot = listener.add(channel, self.timeout)
+        except ERRORS as exc:
+            self.backend.unavailable(exc, "subscribe")
+        return PushWaiter(listener, channel, slot)
+
+    def _listener(self, node: Any) -> Listener:
+        with self._lock:
+            current = self._listeners.get(node.name)
+            if current is None or current.error is not None:
+                if current is not None:
+                    current.close()
+                conn = Connection(host=node.host, port=node.port, **node_settings(self.store))
+                self._listeners[node.name] = current = ShardedListener(conn)
+            return current
+
+    def close(self) -> None:
+        with self._lock:
+            listeners, self._listeners = self._listeners, {}
+            client, self._client = self._client, None
+        for listener in listeners.values():
+            listener.close()
+        if client is not None:
+            client.close()

@@ -1,0 +1,85 @@
+"""Redis behind Sentinel through redis-py's ``Sentinel.master_for``: the sync driver of
+:class:`latchkey.stores.redis_cluster.RedisSentinel`.
+
+The plain Redis driver (:class:`~latchkey.stores.io.redis.RedisDriver`: hand-packed RESP over
+its own connection list, the shared pub/sub listener), with connections made by the Sentinel
+pool's public connection class and settings: each new connection asks the sentinels for the
+service's current master before it connects. After a failover, connections to the old master
+fail (or, if it came back as a replica, answer READONLY, which redis-py turns into a
+connection error and a disconnect): that call raises StoreUnavailable and the next one
+connects to the master the sentinels name then.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+from latchkey.stores.io.redis import RedisDriver, settings
+
+if TYPE_CHECKING:
+    from latchkey.stores.redis import Redis
+    from latchkey.stores.redis_cluster import RedisSentinel
+
+SENTINEL_PORT = 26379
+
+
+def sentinel_settings(
+    store: RedisSentinel,
+) -> tuple[list[tuple[str, int]], dict[str, Any], dict[str, Any]]:
+    """The sentinels' addresses, the arguments of a connection to a sentinel, and those of a
+    connection to the master (the plain store's settings without host and port)."""
+    url, timeout = store.url, store.config["timeout"]
+    sentinels = [(host or "localhost", port or SENTINEL_PORT) for host, port in url.hosts]
+    to_sentinel: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if store.config["sentinel_auth"]:  # not a URL option of its own: it would show in the URL
+        to_sentinel.update(username=url.username, password=url.password)
+    to_master = {k: v for k, v in settings(store).items() if k not in ("host", "port")}
+    return sentinels, to_sentinel, to_master
+
+
+SENTINEL: Any = Sentinel  # untyped in redis-py
+
+
+class MasterConnection(SentinelManagedConnection):
+    """A connection that asks the sentinels for the current master whenever it connects.
+
+    redis-py's own class does so only in ``connect()``, which its pool calls; the plain
+    driver's connections (re)connect from ``send_packed_command`` through
+    ``connect_check_health``, which would go to the last address (or redis-py's default
+    ``localhost:6379`` for a new one)."""
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health, retry_socket_connect)
+
+
+class SentinelDriver(RedisDriver):
+    """The plain Redis driver on connections to the current master of a Sentinel service."""
+
+    def make_client(self, store: Redis) -> redis.Redis:
+        sentinel_store = cast("RedisSentinel", store)
+        sentinels, to_sentinel, to_master = sentinel_settings(sentinel_store)
+        to_sentinel["retry"] = Retry(NoBackoff(), 0)  # each sentinel asked once per connect
+        self.sentinel: Any = SENTINEL(sentinels, sentinel_kwargs=to_sentinel, **to_master)
+        client: Any = self.sentinel.master_for(
+            sentinel_store.service,
+            redis_class=redis.Redis,
+            connection_class=MasterConnection,
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+        )
+        return client  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for client in self.sentinel.sentinels:  # the connections that asked the sentinels
+                client.close()

@@ -1,0 +1,66 @@
+"""Redis behind Sentinel through ``redis.asyncio.sentinel.Sentinel.master_for``: the asyncio
+driver of :class:`latchkey.stores.redis_cluster.RedisSentinel`.
+
+The plain asyncio Redis driver (:class:`~latchkey.stores.io.redis_async.AsyncRedisDriver`)
+on connections made by the Sentinel pool's public connection class and settings: each new
+connection asks the sentinels for the current master (see
+:mod:`latchkey.stores.io.redis_sentinel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, cast
+
+import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
+from redis.backoff import NoBackoff
+
+from latchkey.stores.io.redis_async import ERRORS, AsyncRedisDriver
+from latchkey.stores.io.redis_sentinel import sentinel_settings
+
+if TYPE_CHECKING:
+    from latchkey.stores.redis import Redis
+    from latchkey.stores.redis_cluster import RedisSentinel
+
+
+SENTINEL: Any = Sentinel  # untyped in redis-py
+
+
+class MasterConnection(SentinelManagedConnection):
+    """A connection that asks the sentinels for the current master whenever it connects
+    (see :class:`latchkey.stores.io.redis_sentinel.MasterConnection`)."""
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class AsyncSentinelDriver(AsyncRedisDriver):
+    """The plain asyncio Redis driver on connections to the current master of a service."""
+
+    def make_client(self, store: Redis) -> redis.asyncio.Redis:
+        sentinel_store = cast("RedisSentinel", store)
+        sentinels, to_sentinel, to_master = sentinel_settings(sentinel_store)
+        to_master["socket_timeout"] = None  # one deadline per request (the plain driver's)
+        to_sentinel["retry"] = Retry(NoBackoff(), 0)  # each sentinel asked once per connect
+        self.sentinel: Any = SENTINEL(sentinels, sentinel_kwargs=to_sentinel, **to_master)
+        client: Any = self.sentinel.master_for(
+            sentinel_store.service,
+            redis_class=redis.asyncio.Redis,
+            connection_class=MasterConnection,
+            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+        )
+        return client  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            for client in self.sentinel.sentinels:  # the connections that asked the sentinels
+                with contextlib.suppress(*ERRORS):
+                    await client.aclose()

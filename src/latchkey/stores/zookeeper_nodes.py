@@ -1,0 +1,118 @@
+"""The ZooKeeper store's nodes as data: what a lease node holds, how its name and data read,
+which nodes hold a slot, and a waiter's place in line (:mod:`latchkey.stores.zookeeper` has
+the rules; this module the node format they read and write)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from latchkey._owner import Owner
+from latchkey._types import Busy, Holder
+
+_CHILD = re.compile(r"^([0-9a-f]{32})-([0-9]{10})$")
+SEGMENT = re.compile(r"^[A-Za-z0-9_:.\-]{1,100}$")
+
+
+def dt(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def ttl_ms(ttl: float) -> int:
+    return max(1, math.ceil(ttl * 1000))
+
+
+def failed(answer: Any) -> bool:
+    return isinstance(answer, BaseException)
+
+
+def encode(ttl: float, limit: int, info: str) -> bytes:
+    """A lease node's data."""
+    return json.dumps({"t": ttl_ms(ttl), "n": limit, "i": info}).encode()
+
+
+@dataclass(frozen=True)
+class Node:
+    """A lease node as read: its child name, owner, sequence number, data and stat."""
+
+    child: str
+    owner: str
+    seq: int
+    ttl: int
+    limit: int
+    info: str
+    stat: Any  # kazoo's ZnodeStat
+
+    @property
+    def expires(self) -> int:
+        """When it runs out, in ms of the server's clock."""
+        return int(self.stat.mtime) + self.ttl
+
+    def holder(self) -> Holder:
+        return Holder(
+            self.stat.czxid, Owner.from_json(self.info), dt(self.stat.ctime), dt(self.expires)
+        )
+
+
+def parse_child(child: str) -> tuple[str, int] | None:
+    """``<owner>-<seq>`` → (owner, seq); None for a node latchkey did not make."""
+    found = _CHILD.match(child)
+    return None if found is None else (found.group(1), int(found.group(2)))
+
+
+def read_node(child: str, answer: Any) -> Node | None:
+    """A Get's answer → Node; None if it is gone or not latchkey's."""
+    parsed = parse_child(child)
+    if parsed is None or failed(answer):
+        return None
+    data, stat = answer
+    try:
+        fields = json.loads(data)
+        return Node(child, *parsed, int(fields["t"]), int(fields["n"]), str(fields["i"]), stat)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def in_order(children: Any) -> list[str]:
+    """latchkey's children of a name, in sequence order (a failed read: none)."""
+    if failed(children):
+        return []
+    return sorted((c for c in children if parse_child(c)), key=lambda c: c[-10:])
+
+
+def holders(nodes: Iterable[Node], now: int) -> list[Node]:
+    """The live nodes that hold a slot: fewer than their limit live nodes before them."""
+    live = [n for n in nodes if n.expires > now]
+    return [n for rank, n in enumerate(live) if rank < n.limit]
+
+
+@dataclass
+class InLine:
+    """A waiter's place: its node and its waiter (whose ``wake`` the watches call)."""
+
+    path: str
+    waiter: Any
+    info: str
+    mtime: int = 0
+    """The server's time (ms) of the node's last refresh, and the local monotonic time it was
+    sent at."""
+    refreshed: float = 0.0
+    watched: list[str] = field(default_factory=list)
+    """The live nodes ahead that kept it waiting at its last full look, and that answer."""
+    busy: Busy | None = None
+    expiries: list[int] = field(default_factory=list)
+    """When the watched nodes run out, as last read (ms, server clock; an extend only
+    moves them later)."""
+    wakes: int = 0
+    """Watch notices so far, and how many there had been at the last look."""
+    looked: int = 0
+
+    def wake(self, _event: Any = None) -> None:
+        """A watched node was deleted (on kazoo's thread, or at once if it was gone)."""
+        self.wakes += 1
+        self.waiter.wake()

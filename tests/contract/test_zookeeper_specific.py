@@ -1,0 +1,175 @@
+"""What only the ZooKeeper store has to show: tokens from zxids, leases that end with their
+session, a holder's deadline bounded by the session timeout, no revival of a lease that ran out,
+waiters in line.
+
+The shared semantics are tested by the rest of tests/contract on every store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import latchkey
+from latchkey import ConfigError, LockLost
+from latchkey._owner import new_owner_token
+from latchkey._types import Busy, Grant
+from latchkey.stores import open_backend
+from tests.conftest import ServerPool
+from tests.helpers import HOSTILE_NAMES
+from tests.servers import ServerUnavailable
+
+_selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
+if _selected and "zookeeper" not in _selected:
+    pytest.skip("the zookeeper row is not selected (LATCHKEY_TEST_STORES)", allow_module_level=True)
+
+INFO = '{"host":"h","pid":1}'
+
+
+@pytest.fixture
+def zk_url(server_pool: ServerPool) -> str:
+    """The shared server's URL with a prefix node of this test's own."""
+    try:
+        base = server_pool.base_url("zookeeper")
+    except ServerUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"zookeeper: server required in CI but unavailable: {exc}")
+        pytest.skip(f"zookeeper: not run: {exc}")
+    return f"{base}/chroot-{uuid.uuid4().hex[:8]}?prefix=t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def store(zk_url: str) -> Iterator[latchkey.Store]:
+    s = latchkey.connect(zk_url)
+    yield s
+    s.close()
+
+
+def test_tokens_are_creation_zxids_and_keep_rising(store: latchkey.Store) -> None:
+    tokens = []
+    for _ in range(3):
+        lock = store.lock("n", ttl="10s", wait=0)
+        assert lock.acquire()
+        tokens.append(lock.token)
+        lock.release()
+    store.purge_expired()  # the name's node goes too: tokens are zxids, nothing to keep
+    lock = store.lock("n", ttl="10s", wait=0)
+    assert lock.acquire()
+    tokens.append(lock.token)
+    lock.release()
+    assert tokens == sorted(tokens) and len(set(tokens)) == 4
+
+
+def test_a_lease_ends_with_its_session(zk_url: str) -> None:
+    """A holder whose session ends (its store closed, its process gone) frees the name at
+    once, whatever TTL is left."""
+    holder, other = latchkey.connect(zk_url), latchkey.connect(zk_url)
+    assert holder.lock("n", ttl="60s", wait=0).acquire()
+    assert other.lock("n", ttl="60s", wait=0).acquire() is False
+    holder.close()
+    lock = other.lock("n", ttl="60s", wait=0)
+    assert lock.acquire()
+    lock.release()
+    other.close()
+
+
+def test_the_holders_deadline_is_bounded_by_the_session_timeout(zk_url: str) -> None:
+    store = latchkey.connect(zk_url + "&session_timeout=2s")
+    lock = store.lock("n", ttl="60s")
+    assert lock.acquire()
+    left = lock.remaining()
+    assert left is not None and left <= 2.0
+    lock.extend("60s")
+    left = lock.remaining()
+    assert left is not None and left <= 2.0
+    lock.release()
+    renewed = store.lock("r", ttl="30s", renew=True)
+    assert renewed.acquire()
+    time.sleep(3.5)  # beyond the session timeout: the renewer keeps up (a third of 2 s)
+    assert not renewed.lost
+    renewed.release()
+    store.close()
+
+
+def test_a_lease_that_ran_out_is_not_revived_by_its_extend(zk_url: str) -> None:
+    backend = open_backend(zk_url)
+    try:
+        first, second = new_owner_token(), new_owner_token()
+        assert isinstance(backend.acquire("n", first, INFO, 0.3, 1), Grant)
+        time.sleep(0.5)
+        taken = backend.acquire("n", second, INFO, 30.0, 1)
+        assert isinstance(taken, Grant)
+        assert backend.extend("n", first, 30.0) is None  # ran out: gone, not revived
+        assert isinstance(backend.acquire("n", new_owner_token(), INFO, 30.0, 1), Busy)
+        assert backend.release("n", first) is False
+        info = backend.inspect("n")
+        assert info is not None and [h.token for h in info.holders] == [taken.token]
+        assert backend.release("n", second) is True
+    finally:
+        backend.close()
+
+
+def test_waiters_are_served_in_line(store: latchkey.Store) -> None:
+    """Waiters queue behind the holder in the order they came and are woken in turn."""
+    import threading
+
+    holder = store.lock("q", ttl="30s")
+    assert holder.acquire()
+    order: list[int] = []
+
+    def wait(i: int) -> None:
+        with store.lock("q", ttl="30s", wait="30s"):
+            order.append(i)
+
+    threads = []
+    for i in range(4):
+        t = threading.Thread(target=wait, args=(i,))
+        t.start()
+        threads.append(t)
+        time.sleep(0.3)  # each is in line before the next comes
+    started = time.monotonic()
+    holder.release()
+    for t in threads:
+        t.join(30)
+    assert order == [0, 1, 2, 3]
+    assert time.monotonic() - started < 3  # woken by watches, not by a slow poll
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_any_name_is_a_node(store: latchkey.Store, name: str) -> None:
+    lock = store.lock(name, ttl="10s", wait=0)
+    assert lock.acquire()
+    assert [i.name for i in store.list()] == [name]
+    lock.release()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "zookeeper://",
+        "zookeeper://h:2181/zookeeper",
+        "zookeeper://h:2181/a/../b",
+        "zookeeper://h:2181/?prefix=a%2Fb",
+        "zookeeper://h:2181?session_timeout=soon",
+    ],
+)
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        latchkey.connect(url)
+
+
+def test_an_expired_owner_cannot_release_a_later_holder(store: latchkey.Store) -> None:
+    lock = store.lock("x", ttl="300ms", wait=0)
+    assert lock.acquire()
+    time.sleep(0.5)
+    other = store.lock("x", ttl="10s", wait=0)
+    assert other.acquire()
+    with pytest.raises(LockLost):
+        lock.extend()
+    assert lock.release() is False
+    assert store.inspect("x") is not None
+    other.release()

@@ -1,0 +1,165 @@
+"""A disposable Redis Cluster for the tests (three masters, no replicas), and its store row.
+
+Three ``redis-server --cluster-enabled yes`` on free loopback ports, joined by
+``redis-cli --cluster create … --cluster-replicas 0 --cluster-yes``; ready once every node's
+``CLUSTER INFO`` says ``cluster_state:ok``. No persistence, as for the plain Redis row. The
+row's URL names one node (``redis+cluster://127.0.0.1:P1``: the client reads the others from
+it, as from any seed list);
+``LATCHKEY_TEST_REDIS_CLUSTER_URL`` points the suite at an existing cluster instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from tests.servers import (
+    ROWS,
+    SERVERS,
+    RunningServer,
+    ServerKind,
+    ServerUnavailable,
+    StoreRow,
+    ensure_binary,
+    free_port,
+    port_open,
+    run_daemon,
+    wait_port_closed,
+    with_query,
+)
+from tests.servers.redis import wait_ping
+
+MASTERS = 3
+
+
+def cluster_ok(port: int, timeout: float = 0.5) -> bool:
+    """True if the node on 127.0.0.1:``port`` says ``cluster_state:ok``."""
+    with (
+        contextlib.suppress(OSError),
+        socket.create_connection(("127.0.0.1", port), timeout=timeout) as s,
+    ):
+        s.sendall(b"CLUSTER INFO\r\n")
+        return b"cluster_state:ok" in s.recv(4096)
+    return False
+
+
+def node_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a port, and free, too."""
+    while True:
+        port = free_port()
+        if port <= 55535 and not port_open(port + 10000):
+            return port
+
+
+def start_node(workdir: Path, port: int, *extra: str) -> int:
+    """Start one cluster-enabled redis-server on ``port``; its pid."""
+    binary = ensure_binary("redis-server", "redis-server")
+    pidfile = workdir / f"node-{port}.pid"
+    cmd = [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+        "--cluster-node-timeout", "1000", "--dir", str(workdir), "--daemonize", "yes",
+        "--pidfile", str(pidfile), "--logfile", str(workdir / f"node-{port}.log"), *extra,
+    ]  # fmt: skip
+    pid = run_daemon(cmd, pidfile, "redis-server (cluster node)", timeout=60)
+    wait_ping(port)
+    return pid
+
+
+def create_cluster(ports: list[int], replicas: int = 0, timeout: float = 30.0) -> None:
+    """Join the nodes into one cluster and wait until every node says it is ok."""
+    cli = ensure_binary("redis-cli", "redis-tools")
+    nodes = [f"127.0.0.1:{p}" for p in ports]
+    proc = subprocess.run(
+        [cli, "--cluster", "create", *nodes, "--cluster-replicas", str(replicas),
+         "--cluster-yes"],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ServerUnavailable(
+            f"redis-cli --cluster create: {(proc.stderr or proc.stdout)[-500:]}"
+        )
+    deadline = time.monotonic() + timeout
+    while not all(cluster_ok(p) for p in ports):
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"cluster {nodes} not ok after {timeout}s")
+        time.sleep(0.05)
+
+
+class RunningCluster(RunningServer):
+    """The cluster's first node stands for the server (pid, port); stop, start and freeze act
+    on every node (a restarted node finds its cluster again in its nodes-PORT.conf)."""
+
+    def _nodes(self) -> dict[int, int]:
+        return self.extra["nodes"]  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        for pid in self._nodes().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for port in self._nodes():
+            wait_port_closed(port)
+
+    def start(self) -> None:
+        nodes = self._nodes()
+        for port in nodes:
+            nodes[port] = start_node(self.workdir, port)
+        self.pid = nodes[self.port]
+        deadline = time.monotonic() + 30
+        while not all(cluster_ok(p) for p in nodes):
+            if time.monotonic() > deadline:
+                raise ServerUnavailable("the restarted cluster is not ok after 30s")
+            time.sleep(0.05)
+
+    def processes(self) -> list[int]:
+        return list(self._nodes().values())
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port`` and wait until its port is closed."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._nodes()[port], signal.SIGKILL)
+        wait_port_closed(port)
+
+
+def start_cluster(workdir: Path, masters: int = MASTERS, replicas: int = 0) -> RunningCluster:
+    """``masters`` masters with ``replicas`` replicas each; the URL names the first node."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    nodes: dict[int, int] = {}
+    try:
+        for _ in range(masters * (1 + replicas)):
+            port = node_port()
+            nodes[port] = start_node(workdir, port)
+        create_cluster(list(nodes), replicas)
+    except BaseException:
+        for pid in nodes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        raise
+    first = next(iter(nodes))
+    return RunningCluster(
+        url=f"redis+cluster://127.0.0.1:{first}", pid=nodes[first], port=first, workdir=workdir,
+        extra={"nodes": nodes},
+    )  # fmt: skip
+
+
+def start(workdir: Path) -> RunningServer:
+    """Three masters, no replicas; the row's URL names one of them (the client finds the
+    others)."""
+    return start_cluster(workdir)
+
+
+SERVERS["redis_cluster"] = ServerKind("redis_cluster", start)
+
+ROWS.append(
+    StoreRow(
+        "redis+cluster",
+        "redis_cluster",
+        isolate=lambda base, tag, tmp: with_query(base, prefix=f"t{tag}:"),
+        discovers=True,
+    )
+)

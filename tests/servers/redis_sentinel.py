@@ -1,0 +1,168 @@
+"""A disposable Redis Sentinel setup for the tests, and its store row.
+
+A master, a replica (``--replicaof`` the master) and one ``redis-sentinel`` (Debian package
+``redis-sentinel``) with ``sentinel monitor latchkey 127.0.0.1 MASTER_PORT 1``, each on a free
+loopback port, without persistence. The row's URL names the sentinel and the service:
+``redis+sentinel://127.0.0.1:SENTINEL_PORT/latchkey``; ``LATCHKEY_TEST_REDIS_SENTINEL_URL``
+points the suite at an existing setup instead. ``stop``/``start``/``frozen`` act on all three
+processes; :func:`start_setup` lets a failover test start its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.servers import (
+    ROWS,
+    SERVERS,
+    RunningServer,
+    ServerKind,
+    ServerUnavailable,
+    StoreRow,
+    ensure_binary,
+    free_port,
+    run_daemon,
+    wait_port_closed,
+    with_query,
+)
+from tests.servers.redis import wait_ping
+
+SERVICE = "latchkey"
+
+
+def master_of(sentinel_port: int, service: str = SERVICE, timeout: float = 0.5) -> int | None:
+    """The master's port the sentinel on ``sentinel_port`` names for ``service``, or None."""
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        socket.create_connection(("127.0.0.1", sentinel_port), timeout=timeout) as s,
+    ):
+        s.sendall(f"SENTINEL get-master-addr-by-name {service}\r\n".encode())
+        reply = s.recv(4096).decode().split("\r\n")
+        return int(reply[4]) if reply[0] == "*2" else None
+    return None
+
+
+def _node(workdir: Path, port: int, *extra: str) -> Callable[[], int]:
+    binary = ensure_binary("redis-server", "redis-server")
+    pidfile = workdir / f"redis-{port}.pid"
+    cmd = [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--dir", str(workdir), "--daemonize", "yes", "--pidfile", str(pidfile),
+        "--logfile", str(workdir / f"redis-{port}.log"), *extra,
+    ]  # fmt: skip
+
+    def launch() -> int:
+        pid = run_daemon(cmd, pidfile, "redis-server", timeout=60)
+        wait_ping(port)
+        return pid
+
+    return launch
+
+
+def _sentinel(workdir: Path, port: int, master_port: int) -> Callable[[], int]:
+    binary = ensure_binary("redis-sentinel", "redis-sentinel")
+    pidfile = workdir / f"sentinel-{port}.pid"
+    conf = workdir / f"sentinel-{port}.conf"  # the sentinel rewrites it: a file of its own
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndaemonize yes\npidfile {pidfile}\n"
+        f"logfile {workdir / f'sentinel-{port}.log'}\ndir {workdir}\n"
+        f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 1\n"
+        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+        f"sentinel failover-timeout {SERVICE} 10000\n"
+    )
+
+    def launch() -> int:
+        pid = run_daemon([binary, str(conf)], pidfile, "redis-sentinel", timeout=60)
+        deadline = time.monotonic() + 30
+        while master_of(port) is None:
+            if time.monotonic() > deadline:
+                raise ServerUnavailable(f"sentinel on {port} names no master after 30s")
+            time.sleep(0.02)
+        return pid
+
+    return launch
+
+
+class RunningSetup(RunningServer):
+    """The sentinel stands for the server (pid, port); stop, start and freeze act on the
+    master, the replica and the sentinel. ``extra["ports"]``: role -> port."""
+
+    def _launchers(self) -> dict[str, Callable[[], int]]:
+        return self.extra["launch"]  # type: ignore[return-value]
+
+    def _pids(self) -> dict[str, int]:
+        return self.extra["pids"]  # type: ignore[return-value]
+
+    def _ports(self) -> dict[str, int]:
+        return self.extra["ports"]  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        for pid in self._pids().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for port in self._ports().values():
+            wait_port_closed(port)
+
+    def kill(self, role: str) -> None:
+        """SIGKILL one process ("master", "replica" or "sentinel") and wait for its port."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._pids()[role], signal.SIGKILL)
+        wait_port_closed(self._ports()[role])
+
+    def start(self) -> None:
+        pids = self._pids()
+        for role in ("master", "replica", "sentinel"):
+            pids[role] = self._launchers()[role]()
+        self.pid = pids["sentinel"]
+
+    def processes(self) -> list[int]:
+        return list(self._pids().values())
+
+
+def start_setup(workdir: Path) -> RunningSetup:
+    """Start a master, its replica and a sentinel watching them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
+    launch = {
+        "master": _node(workdir, ports["master"]),
+        "replica": _node(
+            workdir, ports["replica"], "--replicaof", "127.0.0.1", str(ports["master"])
+        ),
+        "sentinel": _sentinel(workdir, ports["sentinel"], ports["master"]),
+    }
+    pids: dict[str, int] = {}
+    try:
+        for role in ("master", "replica", "sentinel"):
+            pids[role] = launch[role]()
+    except BaseException:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        raise
+    return RunningSetup(
+        url=f"redis+sentinel://127.0.0.1:{ports['sentinel']}/{SERVICE}",
+        pid=pids["sentinel"], port=ports["sentinel"], workdir=workdir,
+        extra={"ports": ports, "pids": pids, "launch": launch},
+    )  # fmt: skip
+
+
+def start(workdir: Path) -> RunningServer:
+    return start_setup(workdir)
+
+
+SERVERS["redis_sentinel"] = ServerKind("redis_sentinel", start)
+
+ROWS.append(
+    StoreRow(
+        "redis+sentinel",
+        "redis_sentinel",
+        isolate=lambda base, tag, tmp: with_query(base, prefix=f"t{tag}:"),
+        discovers=True,
+    )
+)
