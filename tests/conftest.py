@@ -15,6 +15,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group = "failover"
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+_RERUNS: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Remembers each test that failed once and was run again (scripts/test passes
+    ``--reruns 1``: pytest-rerunfailures), with the first line of its failure."""
+    if report.outcome == "rerun":  # type: ignore[comparison-overlap]
+        lines = [line for line in report.longreprtext.splitlines() if line.startswith("E ")]
+        why = lines[0][1:].strip() if lines else report.longreprtext.strip()[-200:]
+        _RERUNS.append(f"{report.nodeid} ({report.when}): {why[:300]}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Every rerun, said plainly at the end: a test that passed only on its second run is a
+    flake to look into, not a pass to forget."""
+    if _RERUNS:
+        terminalreporter.section("failed once, then passed on the rerun (look into these)")
+        for line in _RERUNS:
+            terminalreporter.write_line(line)
 
 
 def _unavailable(row: servers.StoreRow, reason: str) -> None:
