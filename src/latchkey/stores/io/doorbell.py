@@ -20,8 +20,8 @@ the ringer. A room is removed by the last waiter to leave it.
 Why by hand: no library does this. ``filelock``/``portalocker`` wait by polling; ``inotify``
 needs a dependency or ctypes and wakes on every write to the file; a FIFO has one reader.
 Datagrams to sockets in a directory are one ``listdir`` and one ``sendto`` per waiter, and
-the listing of an absent room, the case of a release nobody waits for, is one failed system
-call (about a microsecond).
+the case of a release nobody waits for is one ``access`` of an absent room (half a
+microsecond).
 
 Sockets need paths shorter than 108 bytes: when ``<db>.bells`` is too long, the rooms live in
 the temporary directory instead, under a hash of the database's real path (the same for
@@ -94,10 +94,12 @@ class Doorbells:
         ``everyone``); never raises, never blocks."""
         for name in names:
             room = self.room(name)
+            if not os.access(room, os.F_OK):
+                continue  # nobody waits (the usual case): 0.5 µs, a failed listdir is 1.6
             try:
                 entries = os.listdir(room)
             except OSError:
-                continue  # nobody waits (the usual case)
+                continue  # the last waiter just left
             sender = self._socket()
             for entry in sorted(entries):  # by arrival time
                 path = os.path.join(room, entry)
