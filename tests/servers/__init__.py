@@ -64,6 +64,14 @@ class RunningServer:
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
+        # kill() returns once the signal is queued; a thread running on the other core (or
+        # waiting for one, under load) may still answer a request before it stops. Frozen
+        # means every thread of every process is seen stopped.
+        deadline = time.monotonic() + 10
+        while not all(_stopped(pid) for pid in tree):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {tree} did not stop within 10s of SIGSTOP")
+            time.sleep(0.001)
         try:
             yield
         finally:
@@ -77,6 +85,25 @@ class RunningServer:
             raise RuntimeError("this server cannot be restarted")
         self.pid = self.restart_cmd()
         wait_port_open(self.port)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T or t), or the process is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here: the signal is all we can do
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue  # the thread ended
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
