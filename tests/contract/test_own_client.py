@@ -250,6 +250,69 @@ def _mysql_engine(base: str) -> Any:
     return sqlalchemy.create_engine(url, connect_args={"client_flag": flags})
 
 
+async def _asyncmy(base: str) -> Any:
+    import asyncmy
+    from asyncmy.constants import CLIENT
+
+    return await asyncmy.connect(**_mysql_args(base), client_flag=CLIENT.MULTI_STATEMENTS)
+
+
+async def _asyncmy_pool(base: str) -> Any:
+    import asyncmy
+    from asyncmy.constants import CLIENT
+
+    flag = CLIENT.MULTI_STATEMENTS
+    return await asyncmy.create_pool(**_mysql_args(base), client_flag=flag, maxsize=4)
+
+
+async def _aiomysql(base: str) -> Any:
+    import aiomysql
+
+    args = _mysql_args(base)
+    args["db"] = args.pop("database")
+    return await aiomysql.connect(**args)  # (MULTI_STATEMENTS: aiomysql always asks)
+
+
+async def _aiomysql_pool(base: str) -> Any:
+    import aiomysql
+
+    args = _mysql_args(base)
+    args["db"] = args.pop("database")
+    return await aiomysql.create_pool(**args, maxsize=4)
+
+
+async def _amysql_alive(client: Any) -> bool:
+    """An asyncmy or aiomysql connection, or a connection of such a pool, answers."""
+    if hasattr(client, "acquire"):
+        async with client.acquire() as conn:
+            return await _amysql_alive(conn)
+    async with client.cursor() as cur:
+        await cur.execute("SELECT 1")
+        return await cur.fetchone() == (1,)  # type: ignore[no-any-return]
+
+
+async def _amysql_close(client: Any) -> None:
+    if hasattr(client, "acquire"):  # a pool
+        client.close()
+        await client.wait_closed()
+    else:
+        await client.ensure_closed()
+
+
+def _mysql_async_engine(driver: str) -> Callable[[str], Any]:
+    def make(base: str) -> Any:
+        from asyncmy.constants import CLIENT
+        from sqlalchemy.ext.asyncio import create_async_engine
+
+        # (aiomysql always asks for multi-statements; asyncmy is told, SQLAlchemy adds
+        # FOUND_ROWS by itself only without connect_args' client_flag)
+        flags = {"client_flag": CLIENT.MULTI_STATEMENTS | CLIENT.FOUND_ROWS}
+        url = base.replace("mysql://", f"{driver}://")
+        return create_async_engine(url, connect_args=flags if "asyncmy" in driver else {})
+
+    return make
+
+
 def _sqlite_engine(base: str) -> Any:
     import sqlalchemy
 
@@ -329,6 +392,30 @@ CASES = [
     Case(
         "sqlalchemy-pymysql", "mysql", False, _mysql_engine, lambda tag: {"table": f"t_{tag}"},
         _engine_alive, lambda c: c.dispose(),
+    ),
+    Case(
+        "asyncmy-connection", "mysql", True, _asyncmy, lambda tag: {"table": f"t_{tag}"},
+        _amysql_alive, _amysql_close,
+    ),
+    Case(
+        "asyncmy-pool", "mysql", True, _asyncmy_pool, lambda tag: {"table": f"t_{tag}"},
+        _amysql_alive, _amysql_close,
+    ),
+    Case(
+        "aiomysql-connection", "mysql", True, _aiomysql, lambda tag: {"table": f"t_{tag}"},
+        _amysql_alive, _amysql_close,
+    ),
+    Case(
+        "aiomysql-pool", "mysql", True, _aiomysql_pool, lambda tag: {"table": f"t_{tag}"},
+        _amysql_alive, _amysql_close,
+    ),
+    Case(
+        "sqlalchemy-asyncmy-asyncio", "mysql", True, _mysql_async_engine("mysql+asyncmy"),
+        lambda tag: {"table": f"t_{tag}"}, _async_engine_alive, lambda c: c.dispose(),
+    ),
+    Case(
+        "sqlalchemy-aiomysql-asyncio", "mysql", True, _mysql_async_engine("mariadb+aiomysql"),
+        lambda tag: {"table": f"t_{tag}"}, _async_engine_alive, lambda c: c.dispose(),
     ),
     Case(
         "sqlalchemy-sqlite", "sqlite", False, _sqlite_engine, lambda tag: {"table": f"t_{tag}"},

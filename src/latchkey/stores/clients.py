@@ -24,7 +24,15 @@ from urllib.parse import quote, urlencode
 from latchkey._url import StoreURL, _secret
 from latchkey.errors import ConfigError
 
-__all__ = ["KINDS", "ClientKind", "Endpoint", "client_url", "identify", "option_text"]
+__all__ = [
+    "KINDS",
+    "ClientKind",
+    "Endpoint",
+    "client_url",
+    "identify",
+    "option_text",
+    "tells_database",
+]
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,9 @@ class ClientKind:
     scheme: str | Callable[[Any], str]
     asyncio: bool
     endpoint: Callable[[Any], Endpoint]
+    #: Whether :attr:`endpoint` can tell the database (False: the client's connection
+    #: arguments are not public; the store finds out from the server at its first call).
+    tells_database: bool = True
 
 
 def _redis(client: Any) -> Endpoint:
@@ -111,15 +122,25 @@ ENGINE_STORES = {
     ("mariadb", "pymysql"): "mysql",
     ("sqlite", "pysqlite"): "sqlite",
 }
+#: The same for an AsyncEngine (its driver's asyncio connections).
+ASYNC_ENGINE_STORES = {
+    ("postgresql", "psycopg"): "postgresql",
+    ("mysql", "asyncmy"): "mysql",
+    ("mysql", "aiomysql"): "mysql",
+    ("mariadb", "asyncmy"): "mysql",
+    ("mariadb", "aiomysql"): "mysql",
+}
 
 
 def _engine_scheme(engine: Any) -> str:
     dialect = (engine.dialect.name, engine.dialect.driver)
-    scheme = ENGINE_STORES.get(dialect)
+    stores = ASYNC_ENGINE_STORES if hasattr(engine, "sync_engine") else ENGINE_STORES
+    scheme = stores.get(dialect)
     if scheme is None:
-        accepted = ", ".join(f"{n}+{d}" for n, d in ENGINE_STORES)
+        shown = "AsyncEngine" if stores is ASYNC_ENGINE_STORES else "engine"
+        accepted = ", ".join(f"{n}+{d}" for n, d in stores)
         raise ConfigError(
-            f"latchkey cannot use a SQLAlchemy engine of {dialect[0]}+{dialect[1]}; "
+            f"latchkey cannot use a SQLAlchemy {shown} of {dialect[0]}+{dialect[1]}; "
             f"accepted: {accepted}"
         )
     return scheme
@@ -211,6 +232,28 @@ def _pymysql(conn: Any) -> Endpoint:
     return Endpoint(conn.host, conn.port, _text(conn.user), _text(conn.password) or None, path)
 
 
+def _aiomysql(conn: Any) -> Endpoint:
+    """An aiomysql connection: PyMySQL's attributes, but the password (not public there; it
+    is never shown anyway)."""
+    db = _text(conn.db)
+    return Endpoint(conn.host, conn.port, _text(conn.user), None, f"/{db}" if db else "")
+
+
+def _asyncmy(conn: Any) -> Endpoint:
+    """An asyncmy connection tells where it is connected (``get_host_info()``: "socket
+    host:port") and nothing else publicly: no user, no database (the store finds out at its
+    first call whether there is one)."""
+    host, sep, port = str(conn.get_host_info()).removeprefix("socket ").rpartition(":")
+    if not sep or not port.isdigit() or " " in host:  # not connected, or a UNIX socket
+        return Endpoint()
+    return Endpoint(host.strip("[]"), int(port))
+
+
+def _nowhere(pool: Any) -> Endpoint:
+    """An asyncmy or aiomysql pool: its connection arguments are not public."""
+    return Endpoint()
+
+
 KINDS: list[ClientKind] = [
     ClientKind("redis.client.Redis", "redis.Redis", _redis_scheme, False, _redis),
     ClientKind("redis.asyncio.client.Redis", "redis.asyncio.Redis", _redis_scheme, True, _redis),
@@ -239,7 +282,8 @@ KINDS: list[ClientKind] = [
                "sqlite+pysqlite)",
                _engine_scheme, False, _engine),
     ClientKind("sqlalchemy.ext.asyncio.engine.AsyncEngine",
-               "sqlalchemy.ext.asyncio.AsyncEngine (postgresql+psycopg)", _engine_scheme, True,
+               "sqlalchemy.ext.asyncio.AsyncEngine (postgresql+psycopg, mysql+asyncmy, "
+               "mysql+aiomysql, mariadb+asyncmy, mariadb+aiomysql)", _engine_scheme, True,
                _engine),
     ClientKind("pymongo.synchronous.mongo_client.MongoClient", "pymongo.MongoClient", "mongodb",
                False, _mongo),
@@ -251,6 +295,14 @@ KINDS: list[ClientKind] = [
                "pymongo.asynchronous.database.AsyncDatabase", "mongodb", True, _mongo),
     ClientKind("pymysql.connections.Connection", "pymysql.connections.Connection", "mysql",
                False, _pymysql),
+    ClientKind("asyncmy.connection.Connection", "asyncmy.Connection", "mysql", True, _asyncmy,
+               tells_database=False),
+    ClientKind("asyncmy.pool.Pool", "asyncmy.Pool", "mysql", True, _nowhere,
+               tells_database=False),
+    ClientKind("aiomysql.connection.Connection", "aiomysql.Connection", "mysql", True,
+               _aiomysql),
+    ClientKind("aiomysql.pool.Pool", "aiomysql.Pool", "mysql", True, _nowhere,
+               tells_database=False),
     ClientKind("pymemcache.client.base.Client", "pymemcache.Client", "memcached", False,
                _memcache),
     ClientKind("pymemcache.client.base.PooledClient", "pymemcache.PooledClient", "memcached",
@@ -289,6 +341,13 @@ def identify(client: Any, *, asyncio: bool) -> ClientKind:
     raise ConfigError(
         f"latchkey.{call}(client=…) cannot use a {shown}; accepted: {_accepted(asyncio)}"
     )
+
+
+def tells_database(client: Any) -> bool:
+    """Whether the database of ``client`` shows in its store URL's path (an empty path then
+    means the client names none)."""
+    names = _qualnames(client)
+    return all(kind.tells_database for kind in KINDS if kind.qualname in names)
 
 
 def _accepted(asyncio: bool) -> str:

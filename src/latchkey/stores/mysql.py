@@ -268,11 +268,11 @@ class MySQL(RowClaims, LeaseTable):
         super().__init__(backend)
         self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
         if backend.client is not None:  # borrowed: the client's own settings (its driver)
-            if not self.url.path.strip("/"):
-                raise ConfigError(
-                    f"{self.url.scheme} store: the client names no database (connect it with "
-                    "database=…, or give the engine's URL one)"
-                )
+            from latchkey.stores.clients import tells_database
+
+            # (a client that does not say which database is asked at its first call)
+            if not self.url.path.strip("/") and tells_database(backend.client):
+                raise no_database(self.url.scheme)
             self.connect_args: dict[str, Any] = {}
             return
         self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
@@ -389,6 +389,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(pymysql, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def no_database(scheme: str) -> ConfigError:
+    """A borrowed client without a database: says how to give it one."""
+    return ConfigError(
+        f"{scheme} store: the client names no database (connect it with database=… — db=… "
+        "for aiomysql — or give the engine's URL one)"
+    )
 
 
 def _text(value: str | bytes) -> str:

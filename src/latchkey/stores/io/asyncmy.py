@@ -19,6 +19,10 @@ cancelled in the middle of a call is closed, never put back; one idle for ``IDLE
 seconds or more is pinged before use (the server may have ended it: restart, idle timeout,
 KILL; asyncmy offers no public way to see that without a round trip), and replaced if it does
 not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`).
+Over the application's own asyncmy or aiomysql connection, pool or SQLAlchemy AsyncEngine
+(``connect_async(client=…)``) the pool is a
+:class:`~latchkey.stores.io.asyncmy_borrowed.AsyncBorrowedPool` (that module says how it
+borrows).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncmy
@@ -99,6 +104,9 @@ class Connection:
                 raise
             raise refused(*exc.args) from exc
 
+    async def statement(self, request: Statement) -> tuple[list[str] | None, list[Any]]:
+        return await statement(self.cur, request)
+
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.close()
@@ -109,8 +117,16 @@ class AsyncmyDriver(AsyncDriver):
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
+        self.user_error: Callable[[BaseException], bool] = user_error
+        if backend.client is not None:  # the application's connection, pool or engine
+            from latchkey.stores.io import asyncmy_borrowed as borrowed
+
+            self.pool: AsyncPool[Connection] = borrowed.AsyncBorrowedPool(self, backend.client)  # type: ignore[assignment]
+            self.errors = borrowed.BORROWED_ERRORS  # type: ignore[misc]  # (aiomysql's too)
+            self.user_error = borrowed.user_error
+            return
         self.connect_args = async_connect_args(backend)
-        self.pool: AsyncPool[Connection] = AsyncPool(
+        self.pool = AsyncPool(
             self._open,
             Connection.close,
             alive=self._alive,
@@ -166,16 +182,22 @@ class AsyncmyDriver(AsyncDriver):
         pool = self.pool
         with self.backend.translate("connect", self.errors):
             pooled = await pool.get(self.backend.timeout)
+            if hasattr(pooled, "hold"):  # borrowed: latchkey's settings for the transaction
+                try:
+                    await bounded(pooled.hold(), self.backend.timeout)
+                except BaseException:
+                    await asyncio.shield(pool.discard(pooled))
+                    raise
 
         async def answer(request: Any) -> Any:
             if type(request) is Statement:
-                return await statement(pooled.cur, request)
+                return await pooled.statement(request)
             return await pooled.answer(request)
 
         async def give_back(pooled: Connection, reuse: bool) -> None:
             await (pool.put if reuse else pool.discard)(pooled)
 
-        return AsyncPinned(self, pooled, answer, give_back, user_error)
+        return AsyncPinned(self, pooled, answer, give_back, self.user_error)
 
 
 async def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
