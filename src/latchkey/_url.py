@@ -14,9 +14,11 @@ from latchkey.errors import ConfigError
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class StoreURL:
-    """A parsed store URL. ``str()`` and ``repr()`` show it with the password masked."""
+    """A parsed store URL. ``str()`` shows it with the password (and any query option that
+    holds a secret) masked; ``repr()`` shows its parts with the query's keys only: a value
+    may be a secret whose option name does not say so."""
 
     scheme: str
     username: str | None
@@ -37,11 +39,11 @@ class StoreURL:
         scheme = scheme.lower()
         if not _SCHEME.match(scheme):
             raise ConfigError(f"store URL scheme {scheme!r} is not valid")
-        netloc, _, tail = rest.partition("/")
-        path_and_query = "/" + tail if tail or rest.endswith("/") else ""
-        if "?" in netloc:  # e.g. memory://?x=1 or redis://host?db=1
-            netloc, _, q = netloc.partition("?")
-            path_and_query = "?" + q
+        # The authority ends at the first "/" (a path) or "?" (a query without a path, as in
+        # memory://?x=1 or redis://host?db=1); a "/" inside the query is the query's.
+        ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+        cut = min(ends) if ends else len(rest)
+        netloc, path_and_query = rest[:cut], rest[cut:]
         parts = urlsplit("x://h" + path_and_query)
         username = password = None
         hostpart = netloc
@@ -74,6 +76,13 @@ class StoreURL:
 
     def __str__(self) -> str:
         return self.redacted()
+
+    def __repr__(self) -> str:
+        return (
+            f"StoreURL(scheme={self.scheme!r}, username={self.username!r}, "
+            f"password={'***' if self.password else None!r}, hosts={self.hosts!r}, "
+            f"path={self.path!r}, query keys={sorted(self.query)!r})"
+        )
 
     def scrub(self, text: str) -> str:
         """Remove this URL's passwords from ``text`` (driver error messages, say)."""
@@ -109,9 +118,14 @@ _USERINFO = re.compile(r"(://[^/@:]*:)([^/@]*)@")
 
 
 def _secret(key: str) -> bool:
-    """A query option whose value is a secret (``sslpassword``, ``oauth_client_secret``…)."""
+    """A query option whose value is a secret (``sslpassword``, ``oauth_client_secret``,
+    ``auth_token``…)."""
     key = key.lower()
-    return "password" in key or "secret" in key or key.startswith("scram_")
+    return (
+        any(word in key for word in ("password", "secret", "token"))
+        or key.startswith("scram_")
+        or key == "authmechanismproperties"  # MongoDB: may carry AWS_SESSION_TOKEN:…
+    )
 
 
 def _mask_text(text: str, password: str | None = None) -> str:

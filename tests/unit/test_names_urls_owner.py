@@ -39,6 +39,42 @@ def test_url_parts_and_redaction() -> None:
 
 
 @pytest.mark.parametrize(
+    ("url", "hosts", "path", "query"),
+    [
+        ("rediss://h?ssl_ca_certs=/etc/ssl/ca.pem", (("h", None),), "",
+         {"ssl_ca_certs": "/etc/ssl/ca.pem"}),
+        ("rediss://h:6380/2?ssl_ca_certs=/etc/ssl/ca.pem&prefix=a:", (("h", 6380),), "/2",
+         {"ssl_ca_certs": "/etc/ssl/ca.pem", "prefix": "a:"}),
+        ("postgresql://u@/db?host=/var/run/postgresql", (), "/db",
+         {"host": "/var/run/postgresql"}),
+        ("memory://?x=/a/b&y=c/", (), "", {"x": "/a/b", "y": "c/"}),
+        ("redis://h?a=%2Fetc%2Fx", (("h", None),), "", {"a": "/etc/x"}),
+        ("sqlite:////abs/x.db?table=t", (), "//abs/x.db", {"table": "t"}),
+        ("memory://ns", (("ns", None),), "", {}),
+    ],
+)  # fmt: skip
+def test_a_query_value_with_slashes_is_read_whole(
+    url: str, hosts: tuple[tuple[str, int | None], ...], path: str, query: dict[str, str]
+) -> None:
+    parsed = StoreURL.parse(url)
+    assert (parsed.hosts, parsed.path, dict(parsed.query)) == (hosts, path, query)
+
+
+def test_the_repr_of_a_url_shows_the_query_keys_never_their_values() -> None:
+    url = StoreURL.parse(
+        "redis://u:pw-Zq8@h:1/0?client_name=tok-Jx5&ssl_password=sec-Wp2&prefix=app:"
+    )
+    shown = repr(url)
+    for value in ("pw-Zq8", "tok-Jx5", "sec-Wp2", "app:"):
+        assert value not in shown
+    assert "client_name" in shown and "ssl_password" in shown and "prefix" in shown
+    assert "'h', 1" in shown and "'/0'" in shown
+    # a value whose option name says it is a secret is masked in str() too
+    token = StoreURL.parse("redis://h?auth_token=tok-Jx5&x=1")
+    assert "tok-Jx5" not in str(token) and "x=1" in str(token)
+
+
+@pytest.mark.parametrize(
     "bad",
     ["no-scheme", "://x", "9ab://x", "redis://h:99999", "redis://h:port", "sqlite:///x.db?a=1&a=2"],
 )
