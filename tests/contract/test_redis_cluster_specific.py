@@ -68,6 +68,29 @@ def cluster_url(server_pool: ServerPool) -> str:
 
 
 @pytest.fixture
+def sentinel_url(server_pool: ServerPool) -> str:
+    """The shared Sentinel setup's URL (the sentinel and the service), without a query."""
+    try:
+        return server_pool.base_url("redis_sentinel")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+def _sentinel_port(sentinel_url: str) -> int:
+    return int(sentinel_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+
+def _clients_named(ports: list[tuple[str, int]], client_name: str) -> list[dict[str, str]]:
+    """CLIENT LIST entries of connections called ``client_name`` on the given servers."""
+    found = []
+    for host, port in ports:
+        with redis.Redis(host=host, port=port, decode_responses=True) as admin:
+            found += [c for c in admin.client_list() if c["name"] == client_name]
+    return found
+
+
+@pytest.fixture
 def backend(cluster_url: str) -> Iterator[RedisClusterBackend]:
     b = open_backend(cluster_url)
     assert isinstance(b, RedisClusterBackend)
@@ -186,6 +209,54 @@ def test_waiters_subscribe_on_the_slot_master_with_sharded_pubsub(
         assert time.monotonic() - started < 2.0
     finally:
         waiter.close()
+
+
+@needs_cluster
+def test_redis_py_options_in_the_url_reach_the_cluster_connections_and_the_listener(
+    cluster_url: str,
+) -> None:
+    client_name = f"c-{uuid.uuid4().hex[:8]}"
+    backend = open_backend(f"{cluster_url}&client_name={client_name}&socket_keepalive=yes")
+    assert isinstance(backend, RedisClusterBackend)
+    name = "opt:" + uuid.uuid4().hex
+    try:
+        assert isinstance(backend.acquire(name, "a" * 32, INFO, 30), Grant)
+        waiter = backend.wait_in_line(name, "b" * 32, INFO, 30, 1)
+        try:
+            client = backend.io.client  # type: ignore[attr-defined]
+            primaries = [(n.host, n.port) for n in client.get_primaries()]
+            commands = {c["cmd"] for c in _clients_named(primaries, client_name)}
+            assert {"evalsha", "ssubscribe"} <= commands, commands  # a script's, the listener's
+        finally:
+            waiter.close()
+    finally:
+        backend.close()
+
+
+@needs_sentinel
+def test_redis_py_options_in_the_url_reach_the_sentinels_master(
+    sentinel_url: str, api: str
+) -> None:
+    client_name = f"s-{uuid.uuid4().hex[:8]}"
+    url = f"{sentinel_url}?prefix=t{uuid.uuid4().hex[:8]}:&client_name={client_name}"
+    master = sentinel_server.master_of(_sentinel_port(sentinel_url))
+    assert master is not None
+
+    def named() -> set[str]:
+        return {c["cmd"] for c in _clients_named([("127.0.0.1", master)], client_name)}
+
+    if api == "sync":
+        with latchkey.connect(url) as store:
+            assert store.lock("opt", ttl="10s", wait=0).acquire()
+            assert "evalsha" in named()
+        return
+
+    async def body() -> None:
+        async with latchkey.connect_async(url) as store:
+            assert await store.lock("opt", ttl="10s", wait=0).acquire()
+            assert "evalsha" in named()
+
+    asyncio.run(body())
 
 
 @needs_cluster

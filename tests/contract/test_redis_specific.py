@@ -29,7 +29,7 @@ from latchkey.stores.redis import AsyncRedisBackend, RedisBackend
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable
-from tests.servers.redis import start_redis
+from tests.servers.redis import CLIENT_KEY_PASSWORD, start_redis, start_redis_tls
 
 _selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
 if _selected and "redis" not in _selected:
@@ -891,3 +891,103 @@ def test_a_health_check_leaves_no_key_for_ever(redis_url: str, backend: RedisBac
     keys = backend.io.client.keys(backend.store.prefix + "*")
     assert keys, "the probe left its fence counter (for ten minutes)"
     assert all(backend.io.client.pttl(key) > 0 for key in keys), keys
+
+
+# -- redis-py's own options in the URL ----------------------------------------------------------
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[RunningServer, int, dict[str, Path]]]:
+    """A private Redis serving TLS on a port of its own, with a client certificate required."""
+    try:
+        server, tls_port, files = start_redis_tls(tmp_path / "redis-tls")
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+    yield server, tls_port, files
+    server.stop()
+
+
+def _tls_url(tls_port: int, files: dict[str, Path], *, without: str = "") -> str:
+    """A rediss:// URL with redis-py's TLS options: paths that start with ``/`` (whole, not cut
+    at the first slash), the client key's password, a client name. ``without``: one left out."""
+    options = {
+        "ssl_ca_certs": str(files["ca.pem"]),
+        "ssl_certfile": str(files["client.pem"]),
+        "ssl_keyfile": str(files["client-enc.key"]),
+        "ssl_password": CLIENT_KEY_PASSWORD,
+        "ssl_min_version": "TLSv1_2",
+        "client_name": "tls-worker",
+        "timeout": "3s",
+        "prefix": f"t{uuid.uuid4().hex[:8]}:",
+    }
+    query = "&".join(f"{k}={v}" for k, v in options.items() if k != without)
+    return f"rediss://127.0.0.1:{tls_port}/0?{query}"
+
+
+def test_a_rediss_url_with_redis_pys_tls_options_reaches_a_tls_server(
+    tls_server: tuple[RunningServer, int, dict[str, Path]],
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    server, tls_port, files = tls_server
+    url = _tls_url(tls_port, files)
+    store = connect(url)
+    try:
+        with store.lock("tls", ttl="10s", wait=0) as lock:
+            assert lock.token is not None and store.inspect("tls") is not None
+        with redis.Redis(port=server.port, decode_responses=True) as admin:  # the plain port
+            names = [c["name"] for c in admin.client_list()]
+        assert "tls-worker" in names, names  # client_name reached the connections
+        for shown in (repr(store), store.url):
+            assert CLIENT_KEY_PASSWORD not in shown
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("left_out", "why"),
+    [
+        # TLS 1.3: the server's refusal comes after the handshake, read or met while writing
+        ("ssl_certfile", "CERTIFICATE_REQUIRED|EOF occurred in violation of protocol"),
+        ("ssl_ca_certs", "CERTIFICATE_VERIFY_FAILED"),
+    ],
+)
+def test_a_rediss_url_without_the_tls_options_the_server_needs_is_unavailable(
+    tls_server: tuple[RunningServer, int, dict[str, Path]], left_out: str, why: str
+) -> None:
+    """The options are what made the connection above: without the client certificate the
+    server hangs up; without the CA the server's certificate is not trusted."""
+    _, tls_port, files = tls_server
+    url = _tls_url(tls_port, files, without=left_out)
+    if left_out == "ssl_certfile":
+        url = url.replace(f"ssl_keyfile={files['client-enc.key']}&", "")
+        url = url.replace(f"ssl_password={CLIENT_KEY_PASSWORD}&", "")
+    with latchkey.connect(url) as store:
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=why) as caught:
+            store.lock("tls", ttl="10s", wait=0).acquire()
+        assert time.monotonic() - started < 3 + 1
+    assert CLIENT_KEY_PASSWORD not in str(caught.value)
+
+
+def test_health_check_interval_pings_a_connection_idle_that_long(
+    own_server: RunningServer,
+) -> None:
+    """redis-py's health check, asked for in the URL, runs on latchkey's own connections: a
+    connection idle for the interval gets a PING before its next command; without the
+    option, none."""
+
+    def pings() -> int:
+        with redis.Redis(port=own_server.port) as admin:
+            stats = admin.info("commandstats").get("cmdstat_ping", {})
+            return int(stats.get("calls", 0))
+
+    for query, expected in (("health_check_interval=1", 1), ("socket_keepalive=yes", 0)):
+        backend = open_backend(f"{own_server.url}?{query}")
+        try:
+            backend.now()  # a connection, used and given back
+            before = pings()
+            time.sleep(1.2)  # the interval is whole seconds of idleness: nothing to poll for
+            backend.now()
+            assert pings() - before == expected, query
+        finally:
+            backend.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -72,6 +73,55 @@ def start_redis(workdir: Path, *extra: str, password: str | None = None) -> Runn
         url=f"redis://127.0.0.1:{port}/0", pid=pid, port=port, workdir=workdir,
         restart_cmd=launch,
     )
+
+
+#: The password of the client key :func:`start_redis_tls` writes.
+CLIENT_KEY_PASSWORD = "k3y-Pw9"
+
+
+def make_certificates(workdir: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate (its key
+    encrypted with :data:`CLIENT_KEY_PASSWORD`), made with the openssl command."""
+    openssl = ensure_binary("openssl", "openssl")
+    workdir.mkdir(parents=True, exist_ok=True)
+    names = ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key",
+             "client-enc.key")  # fmt: skip
+    files = {name: workdir / name for name in names}
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str | Path) -> None:
+        cmd = [openssl, *map(str, args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise ServerUnavailable(f"openssl {args[0]} failed: {done.stderr[-300:]}")
+
+    run("req", "-x509", *ec, "-keyout", files["ca.key"], "-out", files["ca.pem"], "-days", "2",
+        "-subj", "/CN=latchkey test CA")  # fmt: skip
+    san = workdir / "san.cnf"
+    san.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who, extra in (("server", ["-extfile", str(san)]), ("client", [])):
+        csr = workdir / f"{who}.csr"
+        run("req", "-new", *ec, "-keyout", files[f"{who}.key"], "-out", csr,
+            "-subj", f"/CN={'localhost' if who == 'server' else 'latchkey-client'}")  # fmt: skip
+        run("x509", "-req", "-in", csr, "-CA", files["ca.pem"], "-CAkey", files["ca.key"],
+            "-CAcreateserial", "-out", files[f"{who}.pem"], "-days", "2", *extra)  # fmt: skip
+    run("pkey", "-in", files["client.key"], "-aes256", "-passout", f"pass:{CLIENT_KEY_PASSWORD}",
+        "-out", files["client-enc.key"])  # fmt: skip
+    return files
+
+
+def start_redis_tls(workdir: Path) -> tuple[RunningServer, int, dict[str, Path]]:
+    """A Redis that also serves TLS on a port of its own and asks for a client certificate
+    (``tls-auth-clients yes``); the plain port stays for the readiness check. Returns the
+    server, the TLS port and the certificate files (:func:`make_certificates`)."""
+    files = make_certificates(workdir / "tls")
+    tls_port = free_port()
+    server = start_redis(
+        workdir, "--tls-port", str(tls_port), "--tls-cert-file", str(files["server.pem"]),
+        "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.pem"]),
+        "--tls-auth-clients", "yes",
+    )  # fmt: skip
+    return server, tls_port, files
 
 
 def start(workdir: Path) -> RunningServer:

@@ -154,6 +154,119 @@ def test_libpq_and_pymongo_options_come_from_the_drivers_themselves() -> None:
             open_backend(f"postgresql://u@h/db?{bad}")
 
 
+def _redis_kwargs(url: str) -> dict[str, object]:
+    """The connection settings a Redis URL gives the store's own connections (no I/O)."""
+    from latchkey.stores.io.redis import settings
+    from latchkey.stores.io.redis_cluster import cluster_settings, node_settings
+
+    backend: object = open_backend(url)
+    try:
+        store = backend.store  # type: ignore[attr-defined]
+        if url.startswith("redis+cluster"):
+            assert node_settings(store).items() >= {"client_name": "w-1"}.items()
+            return cluster_settings(store)
+        return settings(store)
+    finally:
+        backend.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("client_name=w-1", {"client_name": "w-1"}),
+        ("socket_keepalive=false&socket_read_size=4096",
+         {"socket_keepalive": False, "socket_read_size": 4096}),
+        ("health_check_interval=30", {"health_check_interval": 30}),
+    ],
+)  # fmt: skip
+def test_redis_py_options_in_a_redis_url_pass_through_typed(
+    query: str, expected: dict[str, object]
+) -> None:
+    kwargs = _redis_kwargs(f"redis://:pw@h:1/3?prefix=a:&{query}")
+    assert kwargs.items() >= expected.items()
+    # latchkey's own settings stay whatever the URL says
+    assert (kwargs["db"], kwargs["decode_responses"], kwargs["protocol"]) == (3, True, 2)
+    sentinel = _redis_kwargs(f"redis+sentinel://h:1/mymaster?db=2&{query}")
+    assert sentinel.items() >= expected.items()
+
+
+def test_redis_py_options_reach_the_cluster_client_and_its_listener_connections() -> None:
+    kwargs = _redis_kwargs("redis+cluster://h:1?client_name=w-1&socket_keepalive=no")
+    assert kwargs["client_name"] == "w-1" and kwargs["socket_keepalive"] is False
+
+
+def test_redis_tls_options_pass_through_typed_on_rediss_only() -> None:
+    import ssl
+
+    kwargs = _redis_kwargs(
+        "rediss://h:1/0?ssl_ca_certs=/etc/ssl/ca.pem&ssl_certfile=/etc/ssl/c.pem"
+        "&ssl_keyfile=/etc/ssl/c.key&ssl_password=k3y-pw&ssl_check_hostname=no"
+        "&ssl_min_version=TLSv1_3&ssl_cert_reqs=optional&ssl_ca_path=/etc/ssl/certs"
+        "&ssl_ciphers=ECDHE%2BAESGCM&ssl_include_verify_flags=VERIFY_X509_STRICT"
+    )
+    assert kwargs["ssl"] is True
+    assert kwargs["ssl_ca_certs"] == "/etc/ssl/ca.pem" and kwargs["ssl_ca_path"] == "/etc/ssl/certs"
+    assert (kwargs["ssl_certfile"], kwargs["ssl_keyfile"]) == ("/etc/ssl/c.pem", "/etc/ssl/c.key")
+    assert kwargs["ssl_password"] == "k3y-pw" and kwargs["ssl_check_hostname"] is False
+    assert kwargs["ssl_min_version"] is ssl.TLSVersion.TLSv1_3
+    assert kwargs["ssl_cert_reqs"] == "optional" and kwargs["ssl_ciphers"] == "ECDHE+AESGCM"
+    assert kwargs["ssl_include_verify_flags"] == [ssl.VerifyFlags.VERIFY_X509_STRICT]
+    assert _redis_kwargs("rediss://h:1/0")["ssl_cert_reqs"] == "required"  # the default
+    assert "ssl" not in _redis_kwargs("redis://h:1/0")
+    backend = open_backend("rediss://h:1/0?ssl_password=k3y-pw&ssl_min_version=TLSv1_2")
+    try:
+        assert "k3y-pw" not in repr(backend) and "k3y-pw" not in str(backend.url)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://h?decode_responses=true", "decode_responses='true': not accepted: latchkey "
+         "reads its replies as text"),
+        ("redis://h?protocol=3", "protocol='3': not accepted: .*RESP3"),
+        ("redis://h?encoding=latin-1", "encoding='latin-1': not accepted: .*UTF-8"),
+        ("redis://h?retry_on_timeout=yes", "retry_on_timeout='yes': not accepted: latchkey "
+         "never retries"),
+        ("redis://h?socket_timeout=3", "socket_timeout='3': not accepted: latchkey's timeout="),
+        ("redis://h?max_connections=3", "max_connections='3': not accepted: .*its own"),
+        ("redis://h?db=2", r"db='2': not accepted: the database number is the URL's path"),
+        ("redis://h?ssl=true", "use the rediss:// scheme"),
+        ("redis://h?password=x", r"option password=\*\*\*: not accepted"),
+        ("redis://h?client_name=two%20words", "client_name='two words': must be printable"),
+        ("redis://h?health_check_interval=soon", "health_check_interval='soon': must be a whole"),
+        ("redis://h?socket_keepalive=maybe", "socket_keepalive='maybe': must be true or false"),
+        ("redis://h?ssl_ca_certs=/etc/ssl/ca.pem", "option ssl_ca_certs is for TLS: use rediss://"),
+        ("redis+sentinel://h:1/m?ssl_certfile=/c.pem", "ssl_certfile is for TLS: use rediss:// "
+         r"\(redis\+sentinel:// has no TLS\)"),
+        ("redis+cluster://h:1?ssl_ca_certs=/ca.pem", "redis\\+cluster:// connects without TLS"),
+        ("redis+cluster://h:1?health_check_interval=5", "not accepted on a cluster"),
+        ("rediss://h?ssl_min_version=SSLv3", "ssl_min_version='SSLv3': must be a TLS version"),
+        ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs='maybe': must be one of required"),
+        ("rediss://h?ssl_include_verify_flags=NOPE", "'NOPE' is not an ssl.VerifyFlags name"),
+        ("rediss://h?ssl_validate_ocsp=true", "OCSP checking is not supported"),
+        ("redis://h?nosuch=1", r"unknown URL option 'nosuch' \(known options: prefix, timeout; "
+         "also redis-py's client_name, health_check_interval, .*docs/reference/urls.md"),
+        ("redis+cluster://h:1?nosuch=1", r"also redis-py's client_name, "
+         r"socket_keepalive, socket_read_size \(docs"),
+    ],
+)  # fmt: skip
+def test_redis_options_latchkey_cannot_use_are_refused_saying_why(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        open_backend(url)
+    assert "hunter" not in str(caught.value)
+
+
+def test_a_refused_secret_option_is_not_shown() -> None:
+    with pytest.raises(ConfigError) as caught:
+        open_backend("redis://h?ssl_password=hunter2")  # TLS option on redis://
+    with pytest.raises(ConfigError) as caught_too:
+        open_backend("redis://h?password=hunter2")
+    for error in (caught.value, caught_too.value):
+        assert "hunter2" not in str(error)
+
+
 def test_owner_round_trip_and_tokens() -> None:
     owner = Owner.current({"job": "nightly"})
     again = Owner.from_json(owner.to_json())

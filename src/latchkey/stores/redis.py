@@ -37,10 +37,11 @@ from typing import Any, NamedTuple
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
-from latchkey._url import Option, choice, key_prefix
+from latchkey._url import Option, key_prefix
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
+from latchkey.stores.io.redis_options import REDIS_OPTIONS, tls_misused
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 from latchkey.stores.redis_lua import (
     ACQUIRE,
@@ -117,6 +118,16 @@ def _info(name: str, flat: Sequence[Any]) -> LockInfo | None:
     return LockInfo(name, tuple(holders))
 
 
+def _check_tls(store: Store) -> None:
+    """A TLS option (``ssl_ca_certs``…) in a URL whose scheme is not ``rediss``: ConfigError."""
+    misused = tls_misused(store.url.scheme, store.config["driver"])
+    if misused is not None:
+        raise ConfigError(
+            f"{store.url.scheme} store: option {misused} is for TLS: use rediss://"
+            + ("" if store.url.scheme == "redis" else f" ({store.url.scheme}:// has no TLS)")
+        )
+
+
 class Redis(Store):
     """Leases, claims and records in Redis, one Lua script per primitive."""
 
@@ -124,11 +135,9 @@ class Redis(Store):
     capabilities = Capabilities(durable=False, push=True, survives_eviction=False)
     options = {
         "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
-        "ssl_cert_reqs": Option(
-            choice("required", "optional", "none"), "required", "rediss://: verify the server"
-        ),
-        "ssl_ca_certs": Option(str, None, "rediss://: CA bundle file"),
     }
+    #: redis-py's own options (client_name, socket_keepalive, ssl_ca_certs…): passed through.
+    driver_options = REDIS_OPTIONS
     sync_driver = "latchkey.stores.io.redis:RedisDriver"
     async_driver = "latchkey.stores.io.redis_async:AsyncRedisDriver"
 
@@ -144,6 +153,7 @@ class Redis(Store):
             )
         self.db = int(db)
         self.prefix: str = self.config["prefix"]
+        _check_tls(self)
 
     # -- key layout (see the module docstring) -----------------------------------------------
 

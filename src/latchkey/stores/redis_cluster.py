@@ -39,6 +39,7 @@ from latchkey._url import Option, boolean, key_prefix
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase
 from latchkey.stores.io import Steps
+from latchkey.stores.io.redis_options import CLUSTER_OPTIONS
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 from latchkey.stores.redis import (
     BATCH,
@@ -47,6 +48,7 @@ from latchkey.stores.redis import (
     Command,
     Redis,
     Script,
+    _check_tls,
     _dt,
     _info,
     _ttl_ms,
@@ -117,6 +119,7 @@ class RedisCluster(Redis):
     options = {
         "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
     }
+    driver_options = CLUSTER_OPTIONS
     sync_driver = "latchkey.stores.io.redis_cluster:ClusterDriver"
     async_driver = "latchkey.stores.io.redis_cluster_async:AsyncClusterDriver"
 
@@ -262,6 +265,7 @@ class RedisSentinel(Redis):
         self.service = service
         self.db = self.config["db"]
         self.prefix: str = self.config["prefix"]
+        _check_tls(self)
 
 
 class RedisClusterBackend(StoreBackend):

@@ -91,24 +91,24 @@ def borrowed_settings(
 def settings(store: Redis) -> dict[str, Any]:
     """The redis-py client arguments of a store (the sync and asyncio clients take the same):
     one host, the db number, AUTH, TLS, the store's timeout on every socket operation, RESP2
-    (from Redis 5 on; pub/sub replies are plain arrays)."""
+    (from Redis 5 on; pub/sub replies are plain arrays), and redis-py's own options the URL
+    carries (:mod:`latchkey.stores.io.redis_options`: ``client_name``, ``ssl_ca_certs``…)."""
     url, config = store.url, store.config
-    ssl: dict[str, Any] = {}
+    tls: dict[str, Any] = {}
     if url.scheme == "rediss":
-        ssl = {"ssl": True, "ssl_cert_reqs": config["ssl_cert_reqs"]}
-        if config["ssl_ca_certs"]:
-            ssl["ssl_ca_certs"] = config["ssl_ca_certs"]
+        tls = {"ssl": True, "ssl_cert_reqs": "required"}  # redis-py's default, said here
     return {
         "host": url.host or "localhost",
         "port": url.port or 6379,
         "db": store.db,
         "username": url.username,
         "password": url.password,
+        **tls,
+        **config["driver"],
         "socket_timeout": config["timeout"],
         "socket_connect_timeout": config["timeout"],
         "decode_responses": True,
         "protocol": 2,
-        **ssl,
     }
 
 
@@ -199,6 +199,9 @@ class RedisDriver(Driver):
             cls = self.client.connection_pool.connection_class
             kwargs = self.client.connection_pool.connection_kwargs
         self.new_connection: Callable[[], Any] = functools.partial(cls, **kwargs)
+        #: ``?health_check_interval=N``: redis-py PINGs a connection idle N seconds before a
+        #: command (off by default: the idle check below covers a close by the server).
+        self.check_health = bool(kwargs.get("health_check_interval"))
         self.pool = Connections()
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
@@ -256,7 +259,7 @@ class RedisDriver(Driver):
             if _monotonic() - since >= CHECK_AFTER and not _alive(conn):
                 conn.disconnect()  # closed by the server, or bytes nobody asked for
         try:
-            conn.send_packed_command((packed,), check_health=False)  # connects if it must
+            conn.send_packed_command((packed,), check_health=self.check_health)  # connects
             reply = conn.read_response()
         except redis.ResponseError:  # an error reply, read in full: the connection is fine
             idle.append((conn, _monotonic()))

@@ -99,6 +99,7 @@ class AsyncRedisDriver(AsyncDriver):
             cls = self.client.connection_pool.connection_class
             kwargs = self.client.connection_pool.connection_kwargs
         self.new_connection: Callable[[], Any] = functools.partial(cls, **kwargs)
+        self.check_health = bool(kwargs.get("health_check_interval"))  # see the sync driver
 
         self.idle: list[tuple[Any, float]] = []  # (connection, when it was given back)
         self._turns = asyncio.Semaphore(POOL_SIZE)  # fair: first come first served
@@ -161,7 +162,7 @@ class AsyncRedisDriver(AsyncDriver):
                 if _monotonic() - since >= CHECK_AFTER and not await _alive(conn):
                     await conn.disconnect()  # closed by the server, or stray bytes
             try:
-                await conn.send_packed_command(packed, check_health=False)  # connects if need be
+                await conn.send_packed_command(packed, check_health=self.check_health)
                 reply = await conn.read_response()
             except redis.ResponseError:  # an error reply, read in full: the connection is fine
                 idle.append((conn, _monotonic()))

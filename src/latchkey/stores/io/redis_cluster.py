@@ -67,12 +67,14 @@ ERRORS: tuple[type[BaseException], ...] = (
 
 def cluster_settings(store: RedisCluster) -> dict[str, Any]:
     """The arguments of redis-py's cluster clients (sync and asyncio) for a store: every node
-    of the URL as a startup node, AUTH, the store's timeout, RESP2, replies decoded."""
+    of the URL as a startup node, AUTH, redis-py's options of the URL, the store's timeout,
+    RESP2, replies decoded."""
     url, timeout = store.url, store.config["timeout"]
     return {
         "startup_nodes": [Node(host or "localhost", port or 6379) for host, port in url.hosts],
         "username": url.username,
         "password": url.password,
+        **store.config["driver"],  # redis-py's own options of the URL (client_name…)
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "decode_responses": True,
@@ -86,6 +88,7 @@ def node_settings(store: RedisCluster) -> dict[str, Any]:
     return {
         "username": url.username,
         "password": url.password,
+        **store.config["driver"],
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "decode_responses": True,

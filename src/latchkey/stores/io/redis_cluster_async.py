@@ -71,6 +71,7 @@ class AsyncClusterDriver(AsyncDriver):
             ],
             username=url.username,
             password=url.password,
+            **store.config["driver"],  # redis-py's own options of the URL (client_name…)
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             decode_responses=True,
@@ -80,6 +81,7 @@ class AsyncClusterDriver(AsyncDriver):
         self.listener_settings: dict[str, Any] = {
             "username": url.username,
             "password": url.password,
+            **store.config["driver"],
             "socket_timeout": None,  # a listener waits for news as long as it takes
             "socket_connect_timeout": timeout,
             "decode_responses": True,
