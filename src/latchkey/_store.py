@@ -49,7 +49,8 @@ def connect(
     """Open a store by URL (default: ``LATCHKEY_URL``, else embedded SQLite in the user's
     state directory, ``$XDG_STATE_HOME/latchkey/locks.db``), or over a ``client`` the
     application already holds (a ``redis.Redis``, …: see :doc:`/howto/your-own-client`), which
-    latchkey borrows from and never closes. Connects lazily.
+    latchkey borrows from and never closes (a ``redis.sentinel.Sentinel`` with ``service=``,
+    the name of its master). Connects lazily.
 
     Options the URL's query would carry (``timeout``, ``table``, ``prefix``…) may also be
     given as keyword arguments or as a ``url_options`` mapping, validated alike.

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ def _skip_or_fail(kind: str, reason: str) -> None:
 class Case:
     """One kind of client: the server it needs, how to make it from the server's base URL,
     the keyword options that isolate a test (a key prefix, a table), and how to check that
-    it still works (``alive``) and to close it — the application's business, not latchkey's."""
+    it still works (``alive``) and to close it — the application's business, not latchkey's.
+    ``required``: keyword arguments connect() needs with this client (a Sentinel's service),
+    also in ``isolate``'s."""
 
     id: str
     server: str
@@ -46,6 +49,7 @@ class Case:
     isolate: Callable[[str], dict[str, Any]]
     alive: Callable[[Any], Any]
     close: Callable[[Any], Any]
+    required: dict[str, Any] = field(default_factory=dict)
 
 
 def _redis_sync(base: str) -> Any:
@@ -77,6 +81,30 @@ def _cluster_async(base: str) -> Any:
 
     host, port = _node(base)
     return redis.asyncio.cluster.RedisCluster(host=host, port=port)
+
+
+#: The service the suite's Sentinel setup watches (tests/servers/redis_sentinel.py).
+SERVICE = {"service": "latchkey"}
+
+
+def _sentinel_sync(base: str) -> Any:
+    import redis.sentinel
+
+    return redis.sentinel.Sentinel([_node(base.split("/latchkey")[0])], socket_timeout=5)
+
+
+def _sentinel_async(base: str) -> Any:
+    import redis.asyncio.sentinel
+
+    return redis.asyncio.sentinel.Sentinel([_node(base.split("/latchkey")[0])], socket_timeout=5)
+
+
+def _sentinel_alive(client: Any) -> bool:
+    return client.discover_master("latchkey") is not None
+
+
+async def _asentinel_alive(client: Any) -> bool:
+    return await client.discover_master("latchkey") is not None
 
 
 def _pg_pool(base: str) -> Any:
@@ -343,6 +371,16 @@ CASES = [
         lambda tag: {"prefix": f"t{tag}:"}, _aping, lambda c: c.aclose(),
     ),
     Case(
+        "redis-sentinel", "redis_sentinel", False, _sentinel_sync,
+        lambda tag: {"prefix": f"t{tag}:", **SERVICE}, _sentinel_alive, lambda c: c.close(),
+        SERVICE,
+    ),
+    Case(
+        "redis-sentinel-asyncio", "redis_sentinel", True, _sentinel_async,
+        lambda tag: {"prefix": f"t{tag}:", **SERVICE}, _asentinel_alive, lambda c: c.aclose(),
+        SERVICE,
+    ),
+    Case(
         "psycopg-pool", "postgresql", False, _pg_pool, lambda tag: {"table": f"t{tag}"},
         _pg_pool_alive, lambda c: c.close(),
     ),
@@ -561,12 +599,13 @@ def test_a_bad_option_is_a_config_error_naming_it(case: Case, base: str) -> None
         client = await _amake(case, base)
         connect: Any = latchkey.connect_async if case.asyncio else latchkey.connect
         try:
+            needed = case.required
             with pytest.raises(ConfigError, match="nonsense"):
-                connect(client=client, nonsense="1")
+                connect(client=client, nonsense="1", **needed)
             with pytest.raises(ConfigError, match="timeout"):
-                connect(client=client, timeout="soon")
+                connect(client=client, timeout="soon", **needed)
             with pytest.raises(ConfigError, match="given twice"):
-                connect(client=client, url_options={"timeout": 1}, timeout=2)
+                connect(client=client, url_options={"timeout": 1}, timeout=2, **needed)
         finally:
             closed = case.close(client)
             if asyncio.iscoroutine(closed):
@@ -638,6 +677,69 @@ def test_a_memcache_client_latchkey_cannot_reach_as_it_does_is_refused_saying_wh
     store = latchkey.connect(client=HashClient([("127.0.0.1", 1), ("127.0.0.2", 2)]))
     assert store.url.startswith("memcached://127.0.0.1:1,127.0.0.2:2 (client ")  # every server
     store.close()
+
+
+def test_a_sentinel_needs_its_service_and_no_other_client_takes_one() -> None:
+    import redis
+    import redis.asyncio.sentinel
+    import redis.sentinel
+
+    sentinel = redis.sentinel.Sentinel([("127.0.0.1", 1)])
+    asentinel = redis.asyncio.sentinel.Sentinel([("127.0.0.1", 1)])
+    plain = redis.Redis(port=1)
+    try:
+        for connect, client in ((latchkey.connect, sentinel), (latchkey.connect_async, asentinel)):
+            with pytest.raises(ConfigError, match=r"Sentinel: give service='…' too, the name of"):
+                connect(client=client)
+            for bad in ("", "a/b", 7):
+                with pytest.raises(ConfigError, match="service must be a master's name"):
+                    connect(client=client, service=bad)
+            with pytest.raises(ConfigError, match="unknown URL option 'nonsense'"):
+                connect(client=client, service="mymaster", nonsense=1)
+        with pytest.raises(ConfigError, match=r"service is the name of the master a "
+                           r"redis\.sentinel\.Sentinel watches; a redis\.client\.Redis has none"):
+            latchkey.connect(client=plain, service="mymaster")
+        with pytest.raises(ConfigError, match="a sync client"):  # the mode comes first
+            latchkey.connect_async(client=sentinel, service="mymaster")
+        with pytest.raises(ConfigError, match="an asyncio client"):
+            latchkey.connect(client=asentinel, service="mymaster")
+    finally:
+        sentinel.close()
+        plain.close()
+
+
+def test_a_sentinel_is_followed_with_latchkeys_timeouts_and_its_password_masked() -> None:
+    import redis.sentinel
+
+    app = redis.sentinel.Sentinel(
+        [("127.0.0.1", 1), ("127.0.0.1", 2)],
+        sentinel_kwargs={"password": PASSWORD, "socket_timeout": None},
+        password=PASSWORD, db=4, min_other_sentinels=1,
+    )  # fmt: skip
+    store = latchkey.connect(client=app, service="mymaster", timeout="1s")
+    try:
+        assert store.url.startswith(
+            "redis+sentinel://:***@127.0.0.1:1,127.0.0.1:2/mymaster?timeout=1s&db=4 (client "
+        )
+        assert store.backend.store.db == 4 and store.backend.store.service == "mymaster"
+        ours = store.backend.io.sentinel
+        assert ours is not app and ours.min_other_sentinels == 1
+        for sentinel in ours.sentinels:  # the application's AUTH, latchkey's timeout
+            kwargs = sentinel.connection_pool.connection_kwargs
+            assert kwargs["password"] == PASSWORD and kwargs["socket_timeout"] == 1.0
+        for shown in (repr(store), store.url, repr(store.backend)):
+            assert PASSWORD not in shown
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as caught:  # no sentinel listens there
+            store.lock("n", wait=0).acquire()
+        assert time.monotonic() - started < 3
+        assert PASSWORD not in str(caught.value)
+    finally:
+        store.close()
+    assert app.sentinels[0].connection_pool.connection_kwargs["socket_timeout"] is None
+    with pytest.raises(ConfigError, match="master connections use TLS"):
+        latchkey.connect(client=redis.sentinel.Sentinel([("127.0.0.1", 1)], ssl=True),
+                         service="mymaster")  # fmt: skip
 
 
 def test_keyword_options_also_ride_with_a_url() -> None:

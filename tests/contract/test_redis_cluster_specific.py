@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio.sentinel
+import redis.sentinel
 from redis.crc import key_slot
 
 import latchkey
@@ -259,6 +261,52 @@ def test_redis_py_options_in_the_url_reach_the_sentinels_master(
     asyncio.run(body())
 
 
+@needs_sentinel
+def test_a_borrowed_sentinels_settings_are_followed(sentinel_url: str, api: str) -> None:
+    """Over the application's Sentinel: its db and client name reach latchkey's connections
+    to the master; ``db=`` given to connect() wins over the Sentinel's."""
+    port = _sentinel_port(sentinel_url)
+    master = sentinel_server.master_of(port)
+    assert master is not None
+    client_name = f"app-{uuid.uuid4().hex[:8]}"
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    kwargs = {"db": 2, "client_name": client_name}
+
+    def key_in(db: int) -> bool:
+        with redis.Redis(port=master, db=db) as admin:
+            return bool(admin.keys(f"{prefix}*"))
+
+    if api == "sync":
+        app = redis.sentinel.Sentinel([("127.0.0.1", port)], **kwargs)
+        with latchkey.connect(client=app, service=sentinel_server.SERVICE, prefix=prefix) as store:
+            assert store.url.startswith(
+                f"redis+sentinel://127.0.0.1:{port}/{sentinel_server.SERVICE}?prefix="
+            )
+            assert "db=2" in store.url and "(client redis.sentinel.Sentinel)" in store.url
+            assert store.lock("followed", ttl="10s", wait=0).acquire()
+            assert "evalsha" in {c["cmd"] for c in _clients_named([("127.0.0.1", master)],
+                                                                  client_name)}  # fmt: skip
+        assert key_in(2) and not key_in(0)
+        with latchkey.connect(client=app, service=sentinel_server.SERVICE, prefix=prefix,
+                              db=3) as store:  # fmt: skip
+            assert store.lock("followed", ttl="10s", wait=0).acquire()
+        assert key_in(3)
+        app.close()
+        return
+
+    async def body() -> None:
+        app = redis.asyncio.sentinel.Sentinel([("127.0.0.1", port)], **kwargs)
+        store = latchkey.connect_async(client=app, service=sentinel_server.SERVICE, prefix=prefix)
+        async with store:
+            assert await store.lock("followed", ttl="10s", wait=0).acquire()
+            named = _clients_named([("127.0.0.1", master)], client_name)
+            assert "evalsha" in {c["cmd"] for c in named}
+        assert key_in(2) and not key_in(0)
+        await app.aclose()
+
+    asyncio.run(body())
+
+
 @needs_cluster
 def test_async_claim_and_list_across_masters(cluster_url: str) -> None:
     async def body() -> None:
@@ -329,11 +377,14 @@ def _try(store: latchkey.Store, name: str) -> bool:
 
 
 @needs_sentinel
-def test_sentinel_failover_the_store_follows_the_new_master(tmp_path: Path) -> None:
+@pytest.mark.parametrize("via", ["url", "client"])
+def test_sentinel_failover_the_store_follows_the_new_master(tmp_path: Path, via: str) -> None:
     """The master is killed (SIGKILL); the sentinel promotes the replica; a worker that keeps
     taking and releasing locks sees StoreUnavailable for a while, then carries on against the
     new master without being told. A lease written well before the kill (replicated: WAIT)
-    is still there; the sync and the asyncio store both reconnect by themselves."""
+    is still there; the sync and the asyncio store both reconnect by themselves. ``client``:
+    the store is opened over the application's own redis-py Sentinel (sync and asyncio), made
+    without socket timeouts: latchkey's own bound the calls all the same."""
     try:
         setup = sentinel_server.start_setup(tmp_path / "sentinel")
     except ServerUnavailable as exc:
@@ -346,7 +397,13 @@ def test_sentinel_failover_the_store_follows_the_new_master(tmp_path: Path) -> N
             what="the sentinel knows the replica",
         )
         url = f"{setup.url}?timeout=1s&prefix=f:"
-        store = latchkey.connect(url)
+        sentinels = [("127.0.0.1", ports["sentinel"])]
+        options = {"service": sentinel_server.SERVICE, "timeout": "1s", "prefix": "f:"}
+        app_sentinel = redis.sentinel.Sentinel(sentinels)
+        if via == "url":
+            store = latchkey.connect(url)
+        else:
+            store = latchkey.connect(client=app_sentinel, **options)
         held = store.lock("held", ttl="60s")
         assert held.acquire()
         master = redis.Redis(port=ports["master"])
@@ -389,13 +446,22 @@ def test_sentinel_failover_the_store_follows_the_new_master(tmp_path: Path) -> N
         assert held.release() is True
 
         async def async_side() -> None:
-            async with latchkey.connect_async(url) as astore:
+            app_async = redis.asyncio.sentinel.Sentinel(sentinels)
+            if via == "url":
+                astore = latchkey.connect_async(url)
+            else:
+                astore = latchkey.connect_async(client=app_async, **options)
+            async with astore:
                 lock = astore.lock("async", ttl="10s", wait=0)
                 assert await lock.acquire()
                 await lock.release()
+            assert await app_async.discover_master(sentinel_server.SERVICE)  # left open
+            await app_async.aclose()
 
         asyncio.run(async_side())
         store.close()
+        assert app_sentinel.discover_master(sentinel_server.SERVICE)[1] == ports["replica"]
+        app_sentinel.close()
     finally:
         setup.stop()
 

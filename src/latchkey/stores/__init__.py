@@ -166,12 +166,17 @@ def open_client_backend(
     client: Any, options: Mapping[str, Any] | None = None, *, asyncio: bool = False
 ) -> Any:
     """The backend (asyncio if ``asyncio``) of the store ``client`` belongs to, borrowing
-    from it (see :mod:`latchkey.stores.clients`); ``options`` as the URL query would give them.
+    from it (see :mod:`latchkey.stores.clients`); ``options`` as the URL query would give them,
+    but ``service`` (a Sentinel's master name), which becomes the URL's path.
     """
-    from latchkey.stores.clients import client_url, identify, option_text
+    from latchkey.stores.clients import client_url, identify, option_text, sentinel_db, service_path
 
     kind = identify(client, asyncio=asyncio)
-    query = {key: option_text(key, value) for key, value in (options or {}).items()}
-    url = client_url(client, kind, query)
+    options = dict(options or {})
+    path = service_path(client, kind, options.pop("service", None), asyncio)
+    if kind.service and "db" not in options and sentinel_db(client):
+        options["db"] = sentinel_db(client)  # the Sentinel's own, unless told otherwise
+    query = {key: option_text(key, value) for key, value in options.items()}
+    url = client_url(client, kind, query, path)
     cls = async_backend_class(url.scheme) if asyncio else backend_class(url.scheme)
     return cls(url, client)

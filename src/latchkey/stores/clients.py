@@ -16,7 +16,7 @@ never closes it (each driver's docstring says how it borrows).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -31,6 +31,8 @@ __all__ = [
     "client_url",
     "identify",
     "option_text",
+    "sentinel_db",
+    "service_path",
     "tells_database",
 ]
 
@@ -52,7 +54,8 @@ class Endpoint:
 class ClientKind:
     """One accepted client class: ``qualname`` (module and class, as in its MRO), the name
     shown to users, the store scheme (or a function of the client that picks it), whether it
-    is an asyncio client, and how to read its :class:`Endpoint`."""
+    is an asyncio client, and how to read its :class:`Endpoint`. ``service``: the client
+    serves several masters by name (a Sentinel), so ``connect()`` takes ``service=`` too."""
 
     qualname: str
     shown: str
@@ -62,6 +65,7 @@ class ClientKind:
     #: Whether :attr:`endpoint` can tell the database (False: the client's connection
     #: arguments are not public; the store finds out from the server at its first call).
     tells_database: bool = True
+    service: bool = False
 
 
 def _redis(client: Any) -> Endpoint:
@@ -87,6 +91,35 @@ def _redis_cluster(client: Any) -> Endpoint:
     first = nodes[0] if nodes else (None, None)
     user, password = kwargs.get("username"), kwargs.get("password")
     return Endpoint(first[0], first[1], user, password, "", nodes)
+
+
+def _sentinel(client: Any) -> Endpoint:
+    """A redis-py Sentinel (sync or asyncio): its sentinels, and the master connections' AUTH.
+    A Sentinel whose master connections use TLS is refused: the store's connections to the
+    master are plain TCP (``redis+sentinel://`` has no TLS either)."""
+    if client.connection_kwargs.get("ssl"):
+        raise ConfigError(
+            f"latchkey cannot use a {_qualnames(client)[0]} whose master connections use TLS "
+            "(ssl=True): latchkey's Sentinel store connects to the master without TLS"
+        )
+    nodes = tuple(
+        (
+            str(sentinel.connection_pool.connection_kwargs.get("host", "localhost")),
+            int(sentinel.connection_pool.connection_kwargs.get("port", 26379)),
+        )
+        for sentinel in client.sentinels
+    )
+    if not nodes:
+        raise ConfigError(f"latchkey cannot use a {_qualnames(client)[0]} without sentinels")
+    kwargs = client.connection_kwargs
+    return Endpoint(
+        nodes[0][0], nodes[0][1], kwargs.get("username"), kwargs.get("password"), nodes=nodes
+    )
+
+
+def sentinel_db(client: Any) -> int:
+    """The database a Sentinel's master connections use (``Sentinel(…, db=2)``; 0)."""
+    return int(client.connection_kwargs.get("db") or 0)
 
 
 def _libpq(params: Mapping[str, Any]) -> Endpoint:
@@ -266,6 +299,14 @@ KINDS: list[ClientKind] = [
         "redis+cluster", True, _redis_cluster,
     ),
     ClientKind(
+        "redis.sentinel.Sentinel", "redis.sentinel.Sentinel (with service=…)", "redis+sentinel",
+        False, _sentinel, service=True,
+    ),
+    ClientKind(
+        "redis.asyncio.sentinel.Sentinel", "redis.asyncio.sentinel.Sentinel (with service=…)",
+        "redis+sentinel", True, _sentinel, service=True,
+    ),
+    ClientKind(
         "psycopg_pool.pool.ConnectionPool", "psycopg_pool.ConnectionPool", "postgresql", False,
         _psycopg_pool,
     ),
@@ -373,9 +414,37 @@ def _hostport(host: str, port: int | None) -> str:
     return f"{host}:{port}" if port else host
 
 
-def client_url(client: Any, kind: ClientKind, options: Mapping[str, str]) -> StoreURL:
+def service_path(client: Any, kind: ClientKind, service: Any, asyncio: bool) -> str | None:
+    """The URL path of a client that serves masters by name (``/service``), None for another
+    client; ConfigError if a Sentinel comes without ``service=``, or another client with it."""
+    call = "connect_async" if asyncio else "connect"
+    shown = _qualnames(client)[0]
+    if not kind.service:
+        if service is not None:
+            raise ConfigError(
+                f"latchkey.{call}(client=…, service=…): service is the name of the master a "
+                f"redis.sentinel.Sentinel watches; a {shown} has none (leave service out)"
+            )
+        return None
+    if service is None:
+        raise ConfigError(
+            f"latchkey.{call}(client=…) got a {shown}: give service='…' too, the name of the "
+            "master its sentinels watch (as in `sentinel monitor <name> …`)"
+        )
+    if not isinstance(service, str) or not service or "/" in service or not service.isprintable():
+        raise ConfigError(
+            f"latchkey.{call}(client=…): service must be a master's name (text without /), "
+            f"got {service!r}"
+        )
+    return f"/{service}"
+
+
+def client_url(
+    client: Any, kind: ClientKind, options: Mapping[str, str], path: str | None = None
+) -> StoreURL:
     """The StoreURL a store reads for ``client``: its endpoint and the options, shown with the
-    password masked."""
+    password masked; ``path`` (a Sentinel's service, see :func:`service_path`) replaces the
+    endpoint's."""
     scheme = kind.scheme if isinstance(kind.scheme, str) else kind.scheme(client)
     try:  # (the scheme's ConfigError, above, is the caller's)
         point = kind.endpoint(client)
@@ -383,6 +452,8 @@ def client_url(client: Any, kind: ClientKind, options: Mapping[str, str]) -> Sto
         raise
     except Exception:  # an unusual client that does not say: shown without an address
         point = Endpoint()
+    if path is not None:
+        point = replace(point, path=path)
     userinfo = ""
     if point.username or point.password:
         userinfo = quote(point.username or "", safe="")

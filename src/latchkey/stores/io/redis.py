@@ -187,11 +187,14 @@ class RedisDriver(Driver):
     """Sends each request over a pooled connection; answers Subscribe with a waiter."""
 
     errors = ERRORS
+    #: A borrowed client's connection settings make ours (module docstring); False: the
+    #: borrowed client is read by :meth:`make_client` instead (a Sentinel's driver).
+    borrows_settings = True
 
     def __init__(self, backend: BackendBase, store: Redis) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        if backend.client is not None:  # borrowed: its settings make ours (module docstring)
+        if backend.client is not None and self.borrows_settings:  # (module docstring)
             self.client: redis.Redis | None = None
             cls, kwargs = borrowed_settings(backend.client, self.timeout)
         else:

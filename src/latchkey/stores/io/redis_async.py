@@ -86,11 +86,12 @@ class AsyncRedisDriver(AsyncDriver):
     """Sends each request over a pooled connection; answers Subscribe with a waiter."""
 
     errors = ERRORS
+    borrows_settings = True  # see the sync driver
 
     def __init__(self, backend: BackendBase, store: Redis) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        if backend.client is not None:  # borrowed: its settings make ours (see io.redis)
+        if backend.client is not None and self.borrows_settings:  # (see io.redis)
             self.client: redis.asyncio.Redis | None = None
             cls, kwargs = borrowed_settings(backend.client, self.timeout, Retry(NoBackoff(), 0))
             kwargs["socket_timeout"] = None  # one deadline per request (module docstring)

@@ -8,6 +8,14 @@ service's current master before it connects. After a failover, connections to th
 fail (or, if it came back as a replica, answer READONLY, which redis-py turns into a
 connection error and a disconnect): that call raises StoreUnavailable and the next one
 connects to the master the sentinels name then.
+
+A borrowed Sentinel (``latchkey.connect(client=redis.sentinel.Sentinel(…), service="m")``) is
+followed, not used, as a borrowed ``redis.Redis`` is (see :mod:`latchkey.stores.io.redis`):
+its sentinels' addresses, its ``sentinel_kwargs`` (AUTH to the sentinels), its
+``min_other_sentinels`` and its master connection settings (AUTH, db, client name…) make this
+driver's own Sentinel, with latchkey's settings on top: the store's timeout on every socket,
+to the sentinels too (a frozen sentinel must not hold a call past it), no retries, replies
+decoded, RESP2. :meth:`close` closes that Sentinel's connections, never the application's.
 """
 
 from __future__ import annotations
@@ -42,6 +50,49 @@ def sentinel_settings(
     return sentinels, to_sentinel, to_master
 
 
+def followed_settings(
+    client: Any, store: RedisSentinel
+) -> tuple[list[tuple[str, int]], dict[str, Any], dict[str, Any]]:
+    """:func:`sentinel_settings` read from an application's Sentinel (sync or asyncio): its
+    sentinels, its sentinel and master connection settings, latchkey's on top."""
+    timeout = store.config["timeout"]
+    sentinels = []
+    for sentinel in client.sentinels:
+        kwargs = sentinel.connection_pool.connection_kwargs
+        sentinels.append((kwargs.get("host", "localhost"), kwargs.get("port", SENTINEL_PORT)))
+    to_sentinel = {
+        **client.sentinel_kwargs,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
+    kept = {  # not the pool's maintenance-notification state (see borrowed_settings)
+        key: value
+        for key, value in client.connection_kwargs.items()
+        if not key.startswith(("maint_notifications", "orig_"))
+    }
+    to_master = {
+        **kept,
+        "db": store.db,  # the Sentinel's own db unless connect() was given one
+        "decode_responses": True,
+        "protocol": 2,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
+    return sentinels, to_sentinel, to_master
+
+
+def sentinel_args(
+    driver: Any, store: Redis
+) -> tuple[RedisSentinel, list[tuple[str, int]], dict[str, Any], dict[str, Any], int]:
+    """The store, the sentinels, the arguments of connections to a sentinel and to the
+    master, and ``min_other_sentinels``: from the URL, or from a borrowed Sentinel."""
+    sentinel_store = cast("RedisSentinel", store)
+    client = driver.backend.client
+    if client is None:
+        return sentinel_store, *sentinel_settings(sentinel_store), 0
+    return sentinel_store, *followed_settings(client, sentinel_store), client.min_other_sentinels
+
+
 SENTINEL: Any = Sentinel  # untyped in redis-py
 
 
@@ -64,11 +115,14 @@ class MasterConnection(SentinelManagedConnection):
 class SentinelDriver(RedisDriver):
     """The plain Redis driver on connections to the current master of a Sentinel service."""
 
+    borrows_settings = False  # a borrowed Sentinel is read by make_client (module docstring)
+
     def make_client(self, store: Redis) -> redis.Redis:
-        sentinel_store = cast("RedisSentinel", store)
-        sentinels, to_sentinel, to_master = sentinel_settings(sentinel_store)
+        sentinel_store, sentinels, to_sentinel, to_master, others = sentinel_args(self, store)
         to_sentinel["retry"] = Retry(NoBackoff(), 0)  # each sentinel asked once per connect
-        self.sentinel: Any = SENTINEL(sentinels, sentinel_kwargs=to_sentinel, **to_master)
+        self.sentinel: Any = SENTINEL(
+            sentinels, min_other_sentinels=others, sentinel_kwargs=to_sentinel, **to_master
+        )
         client: Any = self.sentinel.master_for(
             sentinel_store.service,
             redis_class=redis.Redis,

@@ -10,7 +10,7 @@ connection asks the sentinels for the current master (see
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio
 from redis.asyncio.retry import Retry
@@ -18,11 +18,10 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from latchkey.stores.io.redis_async import ERRORS, AsyncRedisDriver
-from latchkey.stores.io.redis_sentinel import sentinel_settings
+from latchkey.stores.io.redis_sentinel import sentinel_args
 
 if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
-    from latchkey.stores.redis_cluster import RedisSentinel
 
 
 SENTINEL: Any = Sentinel  # untyped in redis-py
@@ -43,12 +42,15 @@ class MasterConnection(SentinelManagedConnection):
 class AsyncSentinelDriver(AsyncRedisDriver):
     """The plain asyncio Redis driver on connections to the current master of a service."""
 
+    borrows_settings = False  # a borrowed Sentinel is followed (see io.redis_sentinel)
+
     def make_client(self, store: Redis) -> redis.asyncio.Redis:
-        sentinel_store = cast("RedisSentinel", store)
-        sentinels, to_sentinel, to_master = sentinel_settings(sentinel_store)
+        sentinel_store, sentinels, to_sentinel, to_master, others = sentinel_args(self, store)
         to_master["socket_timeout"] = None  # one deadline per request (the plain driver's)
         to_sentinel["retry"] = Retry(NoBackoff(), 0)  # each sentinel asked once per connect
-        self.sentinel: Any = SENTINEL(sentinels, sentinel_kwargs=to_sentinel, **to_master)
+        self.sentinel: Any = SENTINEL(
+            sentinels, min_other_sentinels=others, sentinel_kwargs=to_sentinel, **to_master
+        )
         client: Any = self.sentinel.master_for(
             sentinel_store.service,
             redis_class=redis.asyncio.Redis,
