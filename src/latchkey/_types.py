@@ -24,10 +24,20 @@ class Holder:
 
 @dataclass(frozen=True)
 class LockInfo:
-    """What a store knows about a name: its live holders, oldest first."""
+    """What a store knows about a name: its live holders, oldest first, and how many
+    processes wait for it where the store can tell.
+
+    .. versionchanged:: 0.2 ``waiting_processes``.
+    """
 
     name: str
     holders: tuple[Holder, ...]
+    waiting_processes: int | None = None
+    """How many processes wait to acquire the name right now; None where the store cannot
+    tell. Redis (all three kinds): the connections subscribed to the name's wake channel —
+    one per :class:`~latchkey.Store` (or ``AsyncStore``) with at least one waiter, however
+    many threads or coroutines of it wait (a process with two stores counts twice). A
+    ``wait=0`` attempt never waits, so it never counts."""
 
     @property
     def holder(self) -> Holder:

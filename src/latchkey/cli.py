@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.add_argument(
         "--sort",
-        choices=("name", "age", "expires"),
+        choices=("name", "age", "expires", "waiting"),
         default="name",
-        help="name (default), age (held longest first), expires (ending soonest first)",
+        help="name (default), age (held longest first), expires (ending soonest first), "
+        "waiting (most processes waiting first)",
     )
     ls.add_argument(
         "--watch",
@@ -367,6 +368,7 @@ def _iso(value: datetime | None) -> str | None:
 def _info_json(info: LockInfo, now: datetime) -> dict[str, Any]:
     return {
         "name": info.name,
+        "waiting_processes": info.waiting_processes,
         "holders": [
             {
                 "token": h.token,
@@ -388,9 +390,15 @@ def _info_json(info: LockInfo, now: datetime) -> dict[str, Any]:
     }
 
 
+#: The columns of ``ls`` and ``show``: one row per holder; PROCS WAITING is the name's (how
+#: many processes wait for it, ``-`` where the store cannot tell), on each of its rows.
+HEADER = ["NAME", "TOKEN", "OWNER", "SINCE", "EXPIRES IN", "PROCS WAITING"]
+
+
 def _rows(infos: Sequence[LockInfo], now: datetime) -> list[list[str]]:
     rows = []
     for info in infos:
+        waiting = "-" if info.waiting_processes is None else str(info.waiting_processes)
         for h in info.holders:
             since = (
                 "-"
@@ -402,9 +410,8 @@ def _rows(infos: Sequence[LockInfo], now: datetime) -> list[list[str]]:
                 if h.expires_at is None
                 else format_duration(max(0.0, (h.expires_at - now).total_seconds()))
             )
-            rows.append(
-                [info.name, "-" if h.token is None else str(h.token), str(h.owner), since, expires]
-            )
+            token = "-" if h.token is None else str(h.token)
+            rows.append([info.name, token, str(h.owner), since, expires, waiting])
     return rows
 
 
@@ -428,6 +435,7 @@ _SORT_KEYS = {
     "name": lambda info: info.name,
     "age": lambda info: (info.acquired_at or _FOREVER, info.name),
     "expires": lambda info: (info.expires_at or _FOREVER, info.name),
+    "waiting": lambda info: (-(info.waiting_processes or 0), info.name),
 }
 
 
@@ -449,7 +457,7 @@ def _listing(args: argparse.Namespace, store: Store) -> str:
     if args.json:
         return json.dumps([_info_json(i, now) for i in infos], ensure_ascii=False)
     if infos:
-        return _table(["NAME", "TOKEN", "OWNER", "SINCE", "EXPIRES IN"], _rows(infos, now))
+        return _table(HEADER, _rows(infos, now))
     return "no locks held" + (f" with prefix {args.prefix!r}" if args.prefix else "")
 
 
@@ -495,7 +503,7 @@ def cmd_show(args: argparse.Namespace, store: Store) -> int:
     if info is None:
         print(f"{_printable(args.name)} is free")
         return EX_OK
-    print(_table(["NAME", "TOKEN", "OWNER", "SINCE", "EXPIRES IN"], _rows([info], now)))
+    print(_table(HEADER, _rows([info], now)))
     for h in info.holders:
         details = f"  {h.owner}: started {_iso_or_dash(h.owner.started)} thread {h.owner.thread}"
         if h.owner.metadata:

@@ -75,7 +75,10 @@ def test_second_run_is_busy_and_names_the_holder(
         "SINCE",
         "EXPIRES",
         "IN",
+        "PROCS",
+        "WAITING",
     ]
+    assert listing.stdout.splitlines()[1].split()[-1] == "-"  # SQLite cannot tell
     (tmp_path / "stop").touch()
     assert holder.wait(timeout=30) == 0
     assert latchkey(env, "ls").stdout.strip() == "no locks held"
@@ -87,6 +90,7 @@ def test_json_output(env: dict[str, str], holder: subprocess.Popen[str]) -> None
     assert [item["name"] for item in listed] == ["nightly"]
     assert listed[0]["holders"][0]["owner"]["pid"] == holder.pid
     assert listed[0]["holders"][0]["expires_in"] > 0
+    assert listed[0]["waiting_processes"] is None  # SQLite cannot tell
     shown = json.loads(latchkey(env, "show", "nightly", "--json").stdout)
     assert (
         shown["free"] is False and shown["holders"][0]["token"] == listed[0]["holders"][0]["token"]

@@ -267,6 +267,33 @@ def test_blocking_wait_is_woken_by_release(store: latchkey.Store, name: str) -> 
     assert result == [True]  # the lease was 60 s long: only the release can have freed it
 
 
+#: The stores whose LockInfo says how many processes wait (the subscribers of the name's wake
+#: channel); every other store answers None: it cannot tell.
+COUNTS_WAITERS = {"redis", "rediss", "redis+sentinel", "redis+cluster"}
+
+
+def test_inspect_says_how_many_wait_where_the_store_can_tell(
+    store: latchkey.Store, name: str
+) -> None:
+    holder = store.lock(name, ttl="60s")
+    assert holder.acquire()
+    waiter = threading.Thread(target=lambda: store.lock(name, ttl="60s", wait="30s").acquire())
+    try:
+        waiter.start()
+        if store.scheme in COUNTS_WAITERS:
+            eventually(lambda: store.inspect(name).waiting_processes == 1,  # type: ignore[union-attr]
+                       what="the waiter counted")  # fmt: skip
+        else:
+            eventually(waiter.is_alive, what="waiter started")
+            info = store.inspect(name)
+            assert info is not None and info.waiting_processes is None
+            if store.capabilities.listing:
+                assert [i.waiting_processes for i in store.list(prefix=name)] == [None]
+    finally:
+        holder.release()
+        waiter.join(timeout=40)
+
+
 def test_wait_gives_up_after_the_wait(store: latchkey.Store, name: str) -> None:
     holder = store.lock(name, ttl="60s")
     holder.acquire()

@@ -106,3 +106,36 @@ def singleton_ticks(url: str, name: str, ticks: int, barrier: Any, log: str) -> 
         while not store.is_free(name) and time.monotonic() < deadline:
             time.sleep(0.02)  # the next tick comes after at_least has passed
     store.close()
+
+
+def wait_in_turn(url: str, name: str, waiters: int, api: str) -> None:
+    """Wait for ``name`` from ``waiters`` threads (``api="sync"``, one store) or coroutines
+    (``"async"``, one AsyncStore), each taking it in turn and letting it go."""
+    if api == "async":
+        import asyncio
+
+        async def main() -> None:
+            async with latchkey.connect_async(url) as astore:
+
+                async def one() -> None:
+                    async with astore.lock(name, ttl="30s", wait="120s"):
+                        pass
+
+                await asyncio.gather(*(one() for _ in range(waiters)))
+
+        asyncio.run(main())
+        return
+    import threading
+
+    store = latchkey.connect(url)
+
+    def one() -> None:
+        with store.lock(name, ttl="30s", wait="120s"):
+            pass
+
+    threads = [threading.Thread(target=one) for _ in range(waiters)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.close()

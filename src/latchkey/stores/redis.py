@@ -5,6 +5,7 @@ Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` `
 
     P{H}:lease   string      the mutex holder: "owner:token:acquired ms:owner_info", PX ttl;
                              also the pub/sub channel on which every release is announced
+                             (its subscribers, counted by INSPECT, are the waiting stores)
     P{H}:leases  sorted set  semaphore holders: owner token -> expiry (ms, server clock)
     P{H}:owners  hash        semaphore holders: owner token -> "token:acquired ms:owner_info"
     P{H}:fence   string      the last fencing token: the next is max(fence + 1, now ms);
@@ -109,13 +110,19 @@ def _holder(record: str, expires: int | float | str) -> Holder:
     )
 
 
-def _info(name: str, flat: Sequence[Any]) -> LockInfo | None:
-    """INSPECT's ``{rec, expires ms, rec, expires ms, ...}`` of one name → LockInfo."""
+def _info(name: str, flat: Sequence[Any], waiting: int | str) -> LockInfo | None:
+    """INSPECT's ``{rec, expires ms, rec, expires ms, ...}`` and subscriber count of one name
+    → LockInfo."""
     holders = [_holder(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
     if not holders:
         return None
     holders.sort(key=lambda h: h.token or 0)  # tokens grow with acquisition order
-    return LockInfo(name, tuple(holders))
+    return LockInfo(name, tuple(holders), int(waiting))
+
+
+def _infos(names: Sequence[str], reply: Sequence[Any]) -> list[LockInfo]:
+    """INSPECT's reply for ``names`` → the LockInfo of each name that is held."""
+    return list(filter(None, map(_info, names, reply[1::2], reply[2::2])))
 
 
 def _check_tls(store: Store) -> None:
@@ -212,14 +219,14 @@ class Redis(Store):
         return None if reply is None else _grant(reply)
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
-        return _info(name, (yield (INSPECT, (self.base(name),), ()))[1])
+        reply = yield (INSPECT, (self.base(name),), ())
+        return _info(name, reply[1], reply[2])
 
     def list(self, prefix: str) -> Steps[list[LockInfo]]:
         names, out = (yield from self.names(prefix)), list[LockInfo]()
         for start in range(0, len(names), BATCH):
             chunk = names[start : start + BATCH]
-            reply = yield (INSPECT, [self.base(n) for n in chunk], ())
-            out += filter(None, map(_info, chunk, reply[1:]))
+            out += _infos(chunk, (yield (INSPECT, [self.base(n) for n in chunk], ())))
         return out
 
     def force_release(self, name: str) -> Steps[bool]:

@@ -51,6 +51,7 @@ from latchkey.stores.redis import (
     _check_tls,
     _dt,
     _info,
+    _infos,
     _ttl_ms,
 )
 from latchkey.stores.redis_lua import (
@@ -68,20 +69,25 @@ SLOTS = 16384
 
 def _sharded(lua: Lua) -> Lua:
     """The script with every PUBLISH made an SPUBLISH (sharded pub/sub, Redis >= 7.0): the
-    release is announced on the name's slot's shard only, where its waiters subscribed."""
+    release is announced on the name's slot's shard only, where its waiters subscribed; and
+    subscribers counted with SHARDNUMSUB."""
     text = lua.text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
+    text = text.replace("redis.call('PUBSUB', 'NUMSUB'", "redis.call('PUBSUB', 'SHARDNUMSUB'")
     return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
 
 
 # The release scripts of the cluster: RELEASE, RELEASE_MANY and FORCE_RELEASE announce on the
-# name's channel with SPUBLISH; KEYS, ARGV and replies as in redis_lua.
+# name's channel with SPUBLISH, and INSPECT counts its waiters with SHARDNUMSUB; KEYS, ARGV
+# and replies as in redis_lua.
 S_RELEASE = _sharded(RELEASE)
 S_RELEASE_MANY = _sharded(RELEASE_MANY)
 S_FORCE_RELEASE = _sharded(FORCE_RELEASE)
+S_INSPECT = _sharded(INSPECT)
 CLUSTER_SCRIPTS = tuple(
-    {RELEASE: S_RELEASE, RELEASE_MANY: S_RELEASE_MANY, FORCE_RELEASE: S_FORCE_RELEASE}.get(s, s)
+    {RELEASE: S_RELEASE, RELEASE_MANY: S_RELEASE_MANY, FORCE_RELEASE: S_FORCE_RELEASE,
+     INSPECT: S_INSPECT}.get(s, s)
     for s in SCRIPTS
-)
+)  # fmt: skip
 
 
 class Batch(NamedTuple):
@@ -181,6 +187,10 @@ class RedisCluster(Redis):
     def force_release(self, name: str) -> Steps[bool]:
         return int((yield (S_FORCE_RELEASE, (self.base(name),), ()))) == 1
 
+    def inspect(self, name: str) -> Steps[LockInfo | None]:
+        reply = yield (S_INSPECT, (self.base(name),), ())
+        return _info(name, reply[1], reply[2])
+
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
         if not names:
             return 0
@@ -190,8 +200,8 @@ class RedisCluster(Redis):
     def list(self, prefix: str) -> Steps[list[LockInfo]]:
         names = yield from self.names(prefix)
         out = list[LockInfo]()
-        for group, reply in (yield from self._each_slot(INSPECT, names, ())):
-            out += filter(None, map(_info, group, reply[1:]))
+        for group, reply in (yield from self._each_slot(S_INSPECT, names, ())):
+            out += _infos(group, reply)
         return sorted(out, key=lambda info: info.name)
 
     def purge_expired(self, limit: int | None) -> Steps[int]:

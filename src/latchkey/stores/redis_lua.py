@@ -257,14 +257,19 @@ return token_of(rec) .. ':' .. (now + ttl)
 """
 )
 
-# Live holders of names, read-only. KEYS: base keys of the names.
-# Returns {now ms, {rec, expires ms, rec, expires ms, ...} per name}.
+# Live holders of names and how many connections wait for each (the subscribers of its wake
+# channel, "lease": one per client-side store with a waiter), read-only.
+# KEYS: base keys of the names.
+# Returns {now ms, then per name: {rec, expires ms, rec, expires ms, ...}, subscribers}.
 INSPECT = _lua(
     _LUA
     + """
 local now = now_ms()
 local out = {now}
-for i = 1, #KEYS do out[i + 1] = holders(KEYS[i], now) end
+for i = 1, #KEYS do
+  out[2 * i] = holders(KEYS[i], now)
+  out[2 * i + 1] = redis.call('PUBSUB', 'NUMSUB', KEYS[i] .. ':lease')[2]
+end
 return out
 """
 )
