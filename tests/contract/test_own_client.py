@@ -679,6 +679,40 @@ def test_a_memcache_client_latchkey_cannot_reach_as_it_does_is_refused_saying_wh
     store.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "redis_sentinel"])
+def test_a_client_decoding_another_encoding_leaves_latchkeys_utf8(
+    server_pool: ServerPool, kind: str
+) -> None:
+    """The application's client may read replies as latin-1: latchkey's connections, made
+    from its settings, still read owner records and record values (UTF-8) right."""
+    import redis
+    import redis.sentinel
+
+    try:
+        base = server_pool.base_url(kind)
+    except ServerUnavailable as exc:
+        _skip_or_fail(kind, str(exc))
+    metadata = {"who": "ünïcødé ✓ 锁"}
+    if kind == "redis":
+        client: Any = redis.Redis.from_url(base, encoding="latin-1", decode_responses=True)
+        needed: dict[str, Any] = {}
+    else:
+        client = _sentinel_sync(base)
+        client.connection_kwargs.update(encoding="latin-1", decode_responses=True)
+        needed = SERVICE
+    try:
+        store = latchkey.connect(client=client, prefix=f"t{_tag()}:", **needed)
+        with store.lock("enc", ttl="10s", wait=0, metadata=metadata):
+            info = store.inspect("enc")
+            assert info is not None and dict(info.owner.metadata) == metadata
+        record = store.record("enc")
+        record.set(metadata, version=0)
+        assert record.get()[0] == metadata
+        store.close()
+    finally:
+        client.close()
+
+
 def test_a_sentinel_needs_its_service_and_no_other_client_takes_one() -> None:
     import redis
     import redis.asyncio.sentinel

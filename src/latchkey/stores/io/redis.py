@@ -81,6 +81,8 @@ def borrowed_settings(
     return pool.connection_class, {
         **kept,
         "decode_responses": True,
+        "encoding": "utf-8",  # owner records are UTF-8, whatever the application reads
+        "encoding_errors": "strict",
         "protocol": 2,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,

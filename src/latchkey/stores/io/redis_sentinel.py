@@ -74,6 +74,8 @@ def followed_settings(
         **kept,
         "db": store.db,  # the Sentinel's own db unless connect() was given one
         "decode_responses": True,
+        "encoding": "utf-8",  # owner records are UTF-8, whatever the application reads
+        "encoding_errors": "strict",
         "protocol": 2,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
