@@ -107,15 +107,28 @@ MODULE_SERVER = {
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``-n N --dist loadgroup``, as scripts/test runs the suite) every
     test of one server kind runs on one worker, so each worker starts only the servers of its
-    groups, once; tests without a server spread over every worker."""
+    groups, once; tests without a server spread over every worker.
+
+    A module whose ``STORE_ROWS`` names none of the selected rows gets no ``store_row`` value
+    (pytest's empty parameter set): its tests are deselected, as the selection asked."""
+    kept, dropped = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         row = callspec.params.get("store_row") if callspec is not None else None
+        if "store_row" in getattr(item, "fixturenames", ()) and not isinstance(
+            row, servers.StoreRow
+        ):
+            dropped.append(item)
+            continue
+        kept.append(item)
         group = row.server if row is not None else MODULE_SERVER.get(item.path.stem)
         if item.path.parent.name == "failover":  # clusters of their own: one at a time
             group = "failover"
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 _RERUNS: list[str] = []
