@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from latchkey._owner import new_owner_token
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from tests.conftest import ServerPool
-from tests.helpers import HOSTILE_NAMES
+from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import ServerUnavailable
 
 _selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
@@ -173,3 +174,101 @@ def test_an_expired_owner_cannot_release_a_later_holder(store: latchkey.Store) -
     assert lock.release() is False
     assert store.inspect("x") is not None
     other.release()
+
+
+def _zxid(url: str) -> int:
+    """The server's last transaction id (``srvr``): one per write, none for a read."""
+    from urllib.parse import urlsplit
+
+    from tests.servers.zookeeper import srvr
+
+    port = urlsplit(url).port
+    assert port is not None
+    found = [line for line in srvr(port).splitlines() if line.startswith("Zxid:")]
+    assert found, "srvr: no Zxid line"
+    return int(found[0].split(":", 1)[1].strip(), 16)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_hand_off_costs_the_release_and_no_write_of_the_waiter(zk_url: str, limit: int) -> None:
+    """A waiter woken by a release decides by reading the line: from the release to the
+    waiter's grant the server commits exactly one transaction, the release's (delete + clock
+    in one multi). The waiter's lease is its node's, written when it joined the line."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        holders = [new_owner_token() for _ in range(limit)]
+        tokens = []
+        for owner in holders:
+            held = backend.acquire("h", owner, INFO, 30.0, limit)
+            assert isinstance(held, Grant) and held.token is not None
+            tokens.append(held.token)
+        waiting = new_owner_token()
+        assert isinstance(backend.acquire("h", waiting, INFO, 30.0, limit), Busy)
+        waiter = backend.wait_in_line("h", waiting, INFO, 30.0, limit)
+        assert waiter is not None
+        assert isinstance(backend.acquire("h", waiting, INFO, 30.0, limit), Busy)
+        before = _zxid(zk_url)
+        assert backend.release("h", holders[-1]) is True
+        assert waiter.wait(10)
+        grant = backend.acquire("h", waiting, INFO, 30.0, limit)
+        assert isinstance(grant, Grant)
+        assert _zxid(zk_url) - before == 1  # the release's multi only
+        assert grant.remaining is not None and 20.0 < grant.remaining <= 30.0
+        waiter.finish(grant)
+        waiter.close()  # granted: the node stays, it is the lease
+        assert grant.token is not None and grant.token > max(tokens)
+        info = backend.inspect("h")
+        assert info is not None and len(info.holders) == limit
+        assert grant.token in [h.token for h in info.holders]
+        assert backend.release("h", waiting) is True
+        for owner in holders[:-1]:
+            assert backend.release("h", owner) is True
+    finally:
+        backend.close()
+
+
+def _in_line(backend: Any, name: str, ttl: float) -> tuple[str, Any]:
+    """An owner with a node in line on ``name`` (its first attempt busy), and its waiter."""
+    owner = new_owner_token()
+    assert isinstance(backend.acquire(name, owner, INFO, ttl, 1), Busy)
+    waiter = backend.wait_in_line(name, owner, INFO, ttl, 1)
+    assert waiter is not None
+    assert isinstance(backend.acquire(name, owner, INFO, ttl, 1), Busy)
+    return owner, waiter
+
+
+@pytest.mark.parametrize("holder_ttl", [30.0, 1.0])
+def test_a_woken_waiter_reads_and_writes_only_when_the_holder_may_have_run_out(
+    zk_url: str, holder_ttl: float
+) -> None:
+    """The waiter just ahead gives up (its node deleted, the watch fires): the woken waiter
+    reads the line and finds the holder. Live for sure (30 s): busy, and no write. Run out
+    (1 s, waited for by the server's clock) after the woken waiter's node was written: in
+    doubt by a read, so the waiter rewrites its node and decides at that write: granted."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        holder = backend.acquire("w", new_owner_token(), INFO, holder_ttl, 1)
+        assert isinstance(holder, Grant) and holder.expires_at is not None
+        _, ahead = _in_line(backend, "w", 30.0)
+        owner, waiter = _in_line(backend, "w", 30.0)
+        if holder_ttl < 30:
+            eventually(lambda: backend.now() > holder.expires_at, what="the holder ran out")
+        before = _zxid(zk_url)
+        ahead.close()  # gives up: its node goes
+        assert waiter.wait(10)
+        answer = backend.acquire("w", owner, INFO, 30.0, 1)
+        if holder_ttl == 30:
+            assert isinstance(answer, Busy) and answer.holder is not None
+            assert answer.holder.token == holder.token
+            assert _zxid(zk_url) - before == 1  # the waiter ahead's delete only
+        else:
+            assert isinstance(answer, Grant) and answer.token is not None
+            assert answer.token > holder.token  # type: ignore[operator]
+            # the delete of the node ahead, the waiter's refresh, the holder's stale node
+            assert _zxid(zk_url) - before == 3
+            info = backend.inspect("w")
+            assert info is not None and [h.token for h in info.holders] == [answer.token]
+        waiter.finish(answer)
+        waiter.close()
+    finally:
+        backend.close()

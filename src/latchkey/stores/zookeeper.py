@@ -20,7 +20,9 @@ The rules (see docs/stores/zookeeper.md for what they mean to a holder):
   only leave: once granted, a node stays granted while it is live.
 - The time a decision is made against ("now") is the ``mtime`` of the caller's own write in the
   same request (its create or refresh): every read that follows on the session sees at least
-  every transaction before that write, so a node read as expired at that time had expired.
+  every transaction before that write, so a node read as expired at that time had expired. A
+  woken waiter decides by a read instead, within bounds of the server's time, and writes only
+  when a node may have run out in between (:mod:`~latchkey.stores.zookeeper_line`).
 - Extend (and a waiter's refresh) rewrite the node and compare the new ``mtime`` with the old
   ``mtime + t``: a node that had already run out is not revived — it is deleted, and extend
   answers None (a waiter joins the line again at the end).
@@ -30,16 +32,15 @@ The rules (see docs/stores/zookeeper.md for what they mean to a holder):
   after it last heard from the client: every grant's ``remaining`` is at most that, so the
   holder's own deadline never outlives the session (DESIGN §2.8).
 
-Waiting: ``wait_in_line`` puts the caller's node in line and sets a child watch (fires on
-deletion only) on the live node just ahead of it (mutex), or on the live nodes ahead it read
-(semaphores), so a release wakes the next waiter, not a herd; an attempt refreshes the node
-and looks again only when a watch fired or time ran (see :meth:`ZooKeeper._attempt_in_line`).
-Every request is one :class:`~latchkey.stores.io.kazoo.Batch`: pipelined, one round trip.
+Waiting (:class:`~latchkey.stores.zookeeper_line.Line`): ``wait_in_line`` puts the caller's
+node in line and sets a child watch (fires on deletion only) on the live node just ahead of it
+(mutex), or on the live nodes ahead it read (semaphores), so a release wakes the next waiter,
+not a herd; an attempt looks again only when a watch fired or time ran. Every request is one
+:class:`~latchkey.stores.io.kazoo.Batch`: pipelined, one round trip.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -49,18 +50,9 @@ from latchkey._url import Option, duration, key_prefix
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
-from latchkey.stores.io.kazoo import (
-    Batch,
-    Children,
-    Create,
-    Delete,
-    Get,
-    Multi,
-    NewWaiter,
-    SetData,
-    Watch,
-)
+from latchkey.stores.io.kazoo import Batch, Children, Create, Delete, Get, Multi, SetData
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
+from latchkey.stores.zookeeper_line import Line
 from latchkey.stores.zookeeper_nodes import (
     SEGMENT,
     InLine,
@@ -74,11 +66,8 @@ from latchkey.stores.zookeeper_nodes import (
     ttl_ms,
 )
 
-#: Busy answers kept for a wait_in_line that may follow (the newest; dict order).
-SEEN = 256
 
-
-class ZooKeeper(Store):
+class ZooKeeper(Line, Store):
     """Leases, claims and records in ZooKeeper; every request one pipelined batch."""
 
     scheme = "zookeeper"
@@ -129,9 +118,12 @@ class ZooKeeper(Store):
             self._ready = True
 
     def _grant(self, name: str, owner: str, path: str, stat: Any, ttl: float, limit: int,
-               info: str) -> Grant:  # fmt: skip
+               info: str, left: float | None = None) -> Grant:  # fmt: skip
+        """The lease of the node ``path`` (``stat``: its last write); ``left``: what is left
+        of it, if it was written before this request (a waiter's node)."""
         self._held[(name, owner)] = (path, limit, info)
-        return Grant(stat.czxid, dt(stat.mtime + ttl_ms(ttl)), min(ttl, self.session_timeout))
+        sure = min(ttl if left is None else left, self.session_timeout)
+        return Grant(stat.czxid, dt(stat.mtime + ttl_ms(ttl)), sure)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -169,137 +161,6 @@ class ZooKeeper(Store):
         self._held[(name, owner)] = (old, node.limit, node.info)
         left = (node.expires - stat.mtime) / 1000
         return Grant(node.stat.czxid, dt(node.expires), min(left, self.session_timeout))
-
-    def _decide(
-        self,
-        name: str,
-        owner: str,
-        info: str,
-        path: str,
-        stat: Any,
-        children: Any,
-        ttl: float,
-        limit: int,
-        entry: InLine | None = None,
-    ) -> Steps[Grant | Busy]:
-        """Granted if fewer than ``limit`` live nodes are ahead of ``path`` at ``stat.mtime``;
-        else busy: the caller's node leaves (or, in line, watches the nodes ahead)."""
-        parent, seq = self.parent(name), int(path[-10:])
-        now = stat.mtime
-        ahead = [c for c in in_order(children) if int(c[-10:]) < seq]
-        nodes = yield from self._ahead(parent, ahead, limit, now)
-        live = [n for n in nodes if n.expires > now]
-        stale = tuple(Delete(f"{parent}/{n.child}", n.stat.version) for n in nodes
-                      if n.expires <= now)  # fmt: skip
-        if len(live) < limit:
-            if stale:
-                yield Batch(stale)
-            return self._grant(name, owner, path, stat, ttl, limit, info)
-        watched = live[-1:] if limit == 1 else live  # the deletions that may free a slot
-        if entry is None:
-            yield Batch((Delete(path), *stale))
-        else:
-            ops = tuple(Watch(f"{parent}/{n.child}", entry.wake) for n in watched)
-            answers = yield Batch((*stale, *ops))
-            if any(map(failed, answers[len(stale) :])):
-                entry.wake()  # gone already
-        slots = live[:limit]
-        soonest = min(slots, key=lambda n: n.expires)
-        busy = Busy(len(live), soonest.holder(), max(0, soonest.expires - now) / 1000)
-        seen = ([n.child for n in watched], busy, [n.expires for n in watched])
-        if entry is not None:
-            entry.watched, entry.busy, entry.expiries = seen
-        else:  # for wait_in_line, which the core calls next when it waits
-            self._seen[(name, owner)] = seen
-            while len(self._seen) > SEEN:
-                self._seen.pop(next(iter(self._seen)))
-        return busy
-
-    def _ahead(self, parent: str, ahead: list[str], limit: int, now: int) -> Steps[list[Node]]:
-        """The nodes ahead that decide: the first and the last ``limit`` of them (the holders
-        and the nearest), and all of them only if fewer than ``limit`` of those are live."""
-        if not ahead:
-            return []
-        picks = sorted(
-            {*range(min(limit, len(ahead))), *range(max(0, len(ahead) - limit), len(ahead))}
-        )
-        got = yield Batch(tuple(Get(f"{parent}/{ahead[i]}") for i in picks))
-        read = {i: read_node(ahead[i], a) for i, a in zip(picks, got, strict=True)}
-        live = sum(1 for n in read.values() if n is not None and n.expires > now)
-        rest = [i for i in range(len(ahead)) if i not in read]
-        if rest and live < limit:
-            got = yield Batch(tuple(Get(f"{parent}/{ahead[i]}") for i in rest))
-            read.update((i, read_node(ahead[i], a)) for i, a in zip(rest, got, strict=True))
-        return [n for _, n in sorted(read.items()) if n is not None]
-
-    def wait_in_line(
-        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
-    ) -> Steps[Any]:
-        if not owner:
-            return None  # a plain subscription: the core polls
-        yield from self._ensure()
-        parent = self.parent(name)
-        mine = Create(f"{parent}/{owner}-", encode(ttl, limit, owner_info), True, True)
-        waiter = yield NewWaiter(name, owner)
-        # The nodes that kept the caller's attempt waiting are ahead of its new node too:
-        # watched from the start, they spare its first look a listing of the whole line.
-        watched, busy, expiries = self._seen.pop((name, owner), ([], None, []))
-        entry = InLine("", waiter, owner_info, 0, 0.0, watched, busy, expiries)
-        watches = tuple(Watch(f"{parent}/{c}", entry.wake) for c in watched)
-        sent = time.monotonic()
-        _, created, *answers = yield Batch((Create(parent), mine, *watches))
-        if failed(created):
-            return None
-        if any(map(failed, answers)):
-            entry.wake()  # gone already
-        entry.path, entry.mtime, entry.refreshed = created[0], int(created[1].mtime), sent
-        self._line[(name, owner)] = entry
-        return waiter
-
-    def _attempt_in_line(
-        self, name: str, owner: str, ttl: float, limit: int
-    ) -> Steps[Grant | Busy]:
-        """An attempt of a waiter. While its node is young (refreshed less than a third of
-        its TTL ago, by the local clock) and no watch has fired since its last look, it
-        answers busy from what it last read, without a request, as long as the nodes it
-        waits behind are live by the server's time estimated from the last refresh's mtime
-        and the local time since (1 % slower, 2 ms less): an estimate only ever answers busy,
-        never grants. Otherwise: refresh the node (its lease would start now), list the
-        line, and decide at the refresh's mtime; a node that was deleted or had run out joins
-        the line again at its end (it may have been skipped: never revived)."""
-        entry, parent = self._line[(name, owner)], self.parent(name)
-        elapsed = time.monotonic() - entry.refreshed
-        woken, entry.looked = entry.wakes != entry.looked, entry.wakes
-        if entry.busy is not None and elapsed < ttl / 3 and not woken:
-            estimate = entry.mtime + int(elapsed * 990) - 2
-            alive = [e for e in entry.expiries if e > estimate]
-            if alive and len(alive) >= min(limit, len(entry.expiries)):  # busy, as last seen
-                left = (min(alive) - estimate) / 1000
-                return Busy(entry.busy.holders, entry.busy.holder, max(0.0, left))
-        data = encode(ttl, limit, entry.info)
-        sent = time.monotonic()
-        old, new, children = yield Batch(
-            (Get(entry.path), SetData(entry.path, data), Children(parent))
-        )
-        node = read_node(entry.path.rsplit("/", 1)[1], old)
-        if node is None or failed(new) or node.expires <= new.mtime:
-            again = Create(f"{parent}/{owner}-", data, ephemeral=True, sequence=True)
-            gone = () if failed(new) else (Delete(entry.path),)
-            *_, created, children = yield Batch((*gone, Create(parent), again, Children(parent)))
-            if failed(created):
-                return Busy(0)
-            entry.path, new = created
-        entry.mtime, entry.refreshed, entry.busy = int(new.mtime), sent, None
-        return (yield from self._decide(
-            name, owner, entry.info, entry.path, new, children, ttl, limit, entry
-        ))  # fmt: skip
-
-    def leave_line(self, name: str, owner: str, granted: bool) -> Steps[None]:
-        """A wait ended: forget the place; delete its node unless it now holds the lease."""
-        entry = self._line.pop((name, owner), None)
-        if entry is not None and not granted:
-            self._held.pop((name, owner), None)
-            yield Batch((Delete(entry.path),))
 
     def _paths(self, names: Sequence[str], owner: str) -> Steps[list[str | None]]:
         """The node of ``owner`` on each name: known since its grant, else looked up (one
