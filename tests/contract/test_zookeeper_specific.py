@@ -176,24 +176,29 @@ def test_an_expired_owner_cannot_release_a_later_holder(store: latchkey.Store) -
     other.release()
 
 
-def _zxid(url: str) -> int:
-    """The server's last transaction id (``srvr``): one per write, none for a read."""
+def _srvr(url: str, field: str) -> int:
+    """A counter of the server's ``srvr`` answer: ``Zxid`` (the last transaction id: one per
+    write, a multi is one) or ``Received`` (requests from every client, this ``srvr`` too)."""
     from urllib.parse import urlsplit
 
     from tests.servers.zookeeper import srvr
 
     port = urlsplit(url).port
     assert port is not None
-    found = [line for line in srvr(port).splitlines() if line.startswith("Zxid:")]
-    assert found, "srvr: no Zxid line"
-    return int(found[0].split(":", 1)[1].strip(), 16)
+    found = [line for line in srvr(port).splitlines() if line.startswith(f"{field}:")]
+    assert found, f"srvr: no {field} line"
+    return int(found[0].split(":", 1)[1].strip(), 16 if field == "Zxid" else 10)
+
+
+def _zxid(url: str) -> int:
+    return _srvr(url, "Zxid")
 
 
 @pytest.mark.parametrize("limit", [1, 3])
 def test_a_hand_off_costs_the_release_and_no_write_of_the_waiter(zk_url: str, limit: int) -> None:
     """A waiter woken by a release decides by reading the line: from the release to the
-    waiter's grant the server commits exactly one transaction, the release's (delete + clock
-    in one multi). The waiter's lease is its node's, written when it joined the line."""
+    waiter's grant the server commits exactly one transaction, the release's delete. The
+    waiter's lease is its node's, written when it joined the line."""
     backend = open_backend(zk_url + "&session_timeout=30s")
     try:
         holders = [new_owner_token() for _ in range(limit)]
@@ -212,7 +217,7 @@ def test_a_hand_off_costs_the_release_and_no_write_of_the_waiter(zk_url: str, li
         assert waiter.wait(10)
         grant = backend.acquire("h", waiting, INFO, 30.0, limit)
         assert isinstance(grant, Grant)
-        assert _zxid(zk_url) - before == 1  # the release's multi only
+        assert _zxid(zk_url) - before == 1  # the release's delete only
         assert grant.remaining is not None and 20.0 < grant.remaining <= 30.0
         waiter.finish(grant)
         waiter.close()  # granted: the node stays, it is the lease
@@ -272,3 +277,46 @@ def test_a_woken_waiter_reads_and_writes_only_when_the_holder_may_have_run_out(
         waiter.close()
     finally:
         backend.close()
+
+
+def test_a_release_sure_to_be_live_is_one_delete(zk_url: str) -> None:
+    """Released by the object that wrote its node, well within its TTL: one request (a
+    versioned delete, as kazoo's lock), answered True. ``Received`` also counts pings: the
+    fewest of three tries, less what a bare ``srvr`` adds."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        counts = []
+        for _ in range(3):
+            owner = new_owner_token()
+            assert isinstance(backend.acquire("r", owner, INFO, 30.0, 1), Grant)
+            idle = -_srvr(zk_url, "Received") + _srvr(zk_url, "Received")
+            zxid = _zxid(zk_url)
+            before = _srvr(zk_url, "Received")
+            assert backend.release("r", owner) is True
+            counts.append(_srvr(zk_url, "Received") - before - idle)
+            assert _zxid(zk_url) - zxid == 1
+        assert min(counts) == 1
+        assert backend.inspect("r") is None
+    finally:
+        backend.close()
+
+
+def test_a_release_reads_the_node_another_object_rewrote(zk_url: str) -> None:
+    """Another store object extended the lease (same owner): the versioned delete fails, the
+    release reads the node and deletes it with the clock — still live, True. One that ran out
+    is released False."""
+    url = zk_url + "&session_timeout=30s"
+    first, second = open_backend(url), open_backend(url)
+    try:
+        owner = new_owner_token()
+        assert isinstance(first.acquire("r", owner, INFO, 30.0, 1), Grant)
+        assert isinstance(second.extend("r", owner, 30.0), Grant)
+        assert first.release("r", owner) is True
+        assert first.inspect("r") is None
+        short = first.acquire("s", owner, INFO, 0.3, 1)
+        assert isinstance(short, Grant) and short.expires_at is not None
+        eventually(lambda: first.now() > short.expires_at, what="the lease ran out")
+        assert first.release("s", owner) is False
+    finally:
+        first.close()
+        second.close()

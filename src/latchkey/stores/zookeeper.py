@@ -41,6 +41,7 @@ not a herd; an attempt looks again only when a watch fired or time ran. Every re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -55,6 +56,7 @@ from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 from latchkey.stores.zookeeper_line import Line
 from latchkey.stores.zookeeper_nodes import (
     SEGMENT,
+    Held,
     InLine,
     Node,
     dt,
@@ -101,7 +103,7 @@ class ZooKeeper(Line, Store):
         self.records = f"{self.root}/records"
         self._ready = False
         self._line: dict[tuple[str, str], InLine] = {}
-        self._held: dict[tuple[str, str], tuple[str, int, str]] = {}  # path, limit, info
+        self._held: dict[tuple[str, str], Held] = {}
         self._seen: dict[tuple[str, str], tuple[list[str], Busy, list[int]]] = {}  # _decide
 
     # -- layout ------------------------------------------------------------------------------
@@ -118,10 +120,13 @@ class ZooKeeper(Line, Store):
             self._ready = True
 
     def _grant(self, name: str, owner: str, path: str, stat: Any, ttl: float, limit: int,
-               info: str, left: float | None = None) -> Grant:  # fmt: skip
-        """The lease of the node ``path`` (``stat``: its last write); ``left``: what is left
-        of it, if it was written before this request (a waiter's node)."""
-        self._held[(name, owner)] = (path, limit, info)
+               info: str, left: float | None = None, sent: float | None = None,
+               ) -> Grant:  # fmt: skip
+        """The lease of the node ``path`` (``stat``: its last write, sent at ``sent`` by
+        this object); ``left``: what is left of it, if it was written before this request
+        (a waiter's node)."""
+        known = (stat, sent, ttl_ms(ttl)) if sent is not None else ()
+        self._held[(name, owner)] = Held(path, limit, info, *known)
         sure = min(ttl if left is None else left, self.session_timeout)
         return Grant(stat.czxid, dt(stat.mtime + ttl_ms(ttl)), sure)
 
@@ -135,10 +140,12 @@ class ZooKeeper(Line, Store):
         yield from self._ensure()
         parent, data = self.parent(name), encode(ttl, limit, owner_info)
         mine = Create(f"{parent}/{owner}-", data, ephemeral=True, sequence=True)
+        sent = time.monotonic()
         created, children = yield Batch((mine, Children(parent)))
         if failed(created):  # the name's first lease (or its node was purged): make it
             self._ready = False
             yield from self._ensure()
+            sent = time.monotonic()
             _, created, children = yield Batch((Create(parent), mine, Children(parent)))
             if failed(created):
                 return Busy(0)  # purged again in between: the core retries at once
@@ -146,7 +153,9 @@ class ZooKeeper(Line, Store):
         again = [c for c in in_order(children) if c.startswith(owner) and c != path[-43:]]
         if again:  # this owner holds the name already: its lease as it is
             return (yield from self._found_again(name, owner, path, stat, again[0]))
-        return (yield from self._decide(name, owner, owner_info, path, stat, children, ttl, limit))
+        return (yield from self._decide(
+            name, owner, owner_info, path, stat, children, ttl, limit, sent=sent
+        ))  # fmt: skip
 
     def _found_again(
         self, name: str, owner: str, path: str, stat: Any, child: str
@@ -158,14 +167,14 @@ class ZooKeeper(Line, Store):
             if node is not None:
                 yield Batch((Delete(old, node.stat.version),))
             return Busy(0)
-        self._held[(name, owner)] = (old, node.limit, node.info)
+        self._held[(name, owner)] = Held(old, node.limit, node.info)
         left = (node.expires - stat.mtime) / 1000
         return Grant(node.stat.czxid, dt(node.expires), min(left, self.session_timeout))
 
     def _paths(self, names: Sequence[str], owner: str) -> Steps[list[str | None]]:
         """The node of ``owner`` on each name: known since its grant, else looked up (one
         round trip for all the names not known)."""
-        found = {n: held[0] for n in names if (held := self._held.get((n, owner))) is not None}
+        found = {n: h.path for n in names if (h := self._held.get((n, owner))) is not None}
         missing = [n for n in names if n not in found]
         if missing:
             kids = yield Batch(tuple(Children(self.parent(n)) for n in missing))
@@ -179,21 +188,45 @@ class ZooKeeper(Line, Store):
         return (yield from self.release_many([name], owner)) == 1
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
+        """Delete the owner's nodes; count those that were live. A node this object wrote
+        last and that is live for sure by the local clock (:meth:`Held.live_until`) goes by
+        a versioned delete alone, as kazoo's own lock releases: live if its answer came
+        while it was sure (else not known to be: counted out). Any other node — or one that
+        another object rewrote since (the delete failed) — is read, then deleted in a multi
+        that reads the clock (a write to the name's node), and live if it had not run out
+        by then."""
         paths = yield from self._paths(names, owner)
-        ops: list[Any] = []
+        sure: list[tuple[str, str, Held]] = []
+        doubt: list[tuple[str, str]] = []
+        now = time.monotonic()
         for name, path in zip(names, paths, strict=True):
-            self._held.pop((name, owner), None)
-            if path is not None:  # the clock is read in the delete's own transaction
-                ops += [Get(path), Multi((Delete(path), SetData(self.parent(name), b"")))]
-        if not ops:
-            return 0
-        answers, live = (yield Batch(tuple(ops))), 0
-        for i in range(0, len(ops), 2):
-            old, multi = answers[i], answers[i + 1]
-            if failed(multi) or failed(multi[0]):
+            held = self._held.pop((name, owner), None)
+            if path is None:
                 continue
-            node = read_node(ops[i].path.rsplit("/", 1)[1], old)
-            live += node is not None and node.expires > multi[1].mtime
+            if held is not None and now < held.live_until():
+                sure.append((name, path, held))
+            else:
+                doubt.append((name, path))
+        live = 0
+        if sure:
+            deleted = yield Batch(tuple(Delete(path, h.stat.version) for _, path, h in sure))
+            done = time.monotonic()
+            for (name, path, held), answer in zip(sure, deleted, strict=True):
+                if failed(answer):  # rewritten by another object (or gone): read it
+                    doubt.append((name, path))
+                else:
+                    live += done < held.live_until()
+        if doubt:
+            ops = [op for name, path in doubt for op in (
+                Get(path), Multi((Delete(path), SetData(self.parent(name), b""))),
+            )]  # fmt: skip
+            answers = yield Batch(tuple(ops))
+            for i, (_, path) in enumerate(doubt):
+                old, multi = answers[2 * i], answers[2 * i + 1]
+                if failed(multi) or failed(multi[0]):
+                    continue
+                node = read_node(path.rsplit("/", 1)[1], old)
+                live += node is not None and node.expires > multi[1].mtime
         return live
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
@@ -206,8 +239,9 @@ class ZooKeeper(Line, Store):
             node = read_node(path.rsplit("/", 1)[1], got)
             if node is None:
                 return None
-            held = (path, node.limit, node.info)
-        path, limit, info = held
+            held = Held(path, node.limit, node.info)
+        path, limit, info = held.path, held.limit, held.info
+        sent = time.monotonic()
         old, new = yield Batch((Get(path), SetData(path, encode(ttl, limit, info))))
         node = read_node(path.rsplit("/", 1)[1], old)
         if node is None or failed(new) or node.expires <= new.mtime:
@@ -215,7 +249,7 @@ class ZooKeeper(Line, Store):
             if not failed(new):  # it had run out: not revived, gone
                 yield Batch((Delete(path, new.version),))
             return None
-        return self._grant(name, owner, path, new, ttl, limit, info)
+        return self._grant(name, owner, path, new, ttl, limit, info, sent=sent)
 
     def _read(self, names: Sequence[str]) -> Steps[tuple[dict[str, list[Node]], int]]:
         """The nodes of each name (in order) and the server's clock, in three round trips."""
@@ -286,6 +320,7 @@ class ZooKeeper(Line, Store):
             parent = self.parent(name)
             node = Create(f"{parent}/{owner}-", data, ephemeral=True, sequence=True)
             ops += [Create(parent), node, Children(parent)]
+        sent = time.monotonic()
         answers = yield Batch(tuple(ops))
         mine: dict[str, tuple[str, Any]] = {}
         ahead: list[tuple[str, str]] = []
@@ -305,7 +340,7 @@ class ZooKeeper(Line, Store):
         grants = {}
         for name, (path, stat) in mine.items():
             if name not in blocked:
-                grants[name] = self._grant(name, owner, path, stat, ttl, 1, owner_info)
+                grants[name] = self._grant(name, owner, path, stat, ttl, 1, owner_info, sent=sent)
         busy = tuple(Delete(mine[n][0]) for n in blocked)
         if busy:
             yield Batch(busy)

@@ -31,6 +31,7 @@ from latchkey._types import Busy, Grant
 from latchkey.stores.io import Steps
 from latchkey.stores.io.kazoo import Batch, Children, Create, Delete, Get, NewWaiter, SetData, Watch
 from latchkey.stores.zookeeper_nodes import (
+    Held,
     InLine,
     Node,
     encode,
@@ -51,7 +52,7 @@ class Line:
     """The primitives of waiting in line, and the decision every acquire ends with."""
 
     _line: dict[tuple[str, str], InLine]
-    _held: dict[tuple[str, str], tuple[str, int, str]]  # path, limit, info
+    _held: dict[tuple[str, str], Held]
     _seen: dict[tuple[str, str], tuple[list[str], Busy, list[int]]]  # kept by _decide
 
     if TYPE_CHECKING:  # the store's own (ZooKeeper)
@@ -61,7 +62,8 @@ class Line:
         def _ensure(self) -> Steps[None]: ...
 
         def _grant(self, name: str, owner: str, path: str, stat: Any, ttl: float, limit: int,
-                   info: str, left: float | None = None) -> Grant: ...  # fmt: skip
+                   info: str, left: float | None = None, sent: float | None = None,
+                   ) -> Grant: ...  # fmt: skip
 
     def _decide(
         self,
@@ -74,10 +76,13 @@ class Line:
         ttl: float,
         limit: int,
         entry: InLine | None = None,
+        sent: float | None = None,
     ) -> Steps[Grant | Busy]:
-        """:meth:`_judge` at the time of the caller's own write in this request (``stat``):
-        never in doubt."""
-        decided = yield from self._judge(name, owner, info, path, stat, children, ttl, limit, entry)
+        """:meth:`_judge` at the time of the caller's own write in this request (``stat``,
+        sent at ``sent``, or the entry's): never in doubt."""
+        decided = yield from self._judge(
+            name, owner, info, path, stat, children, ttl, limit, entry, sent=sent
+        )  # fmt: skip
         assert decided is not None  # lo == hi: no node in between
         return decided
 
@@ -93,6 +98,7 @@ class Line:
         limit: int,
         entry: InLine | None = None,
         by_read: bool = False,
+        sent: float | None = None,
     ) -> Steps[Grant | Busy | None]:
         """Granted if fewer than ``limit`` live nodes are ahead of ``path``; else busy: the
         caller's node leaves (or, in line, watches the nodes ahead). Live at ``stat.mtime``
@@ -116,7 +122,8 @@ class Line:
                     return None  # its own node may have run out
             if stale:
                 yield Batch(stale)
-            return self._grant(name, owner, path, stat, ttl, limit, info, left)
+            sent = entry.refreshed if entry is not None else sent
+            return self._grant(name, owner, path, stat, ttl, limit, info, left, sent)
         if sum(n.expires > hi for n in live) < limit:
             return None  # a node ahead may have run out (only by a read: lo < hi)
         watched = live[-1:] if limit == 1 else live  # the deletions that may free a slot

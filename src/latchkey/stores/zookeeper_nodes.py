@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Holder
@@ -90,6 +90,27 @@ def holders(nodes: Iterable[Node], now: int) -> list[Node]:
     """The live nodes that hold a slot: fewer than their limit live nodes before them."""
     live = [n for n in nodes if n.expires > now]
     return [n for rank, n in enumerate(live) if rank < n.limit]
+
+
+class Held(NamedTuple):
+    """A lease this store object holds: its node, and the node's last write if this object
+    made it (``stat``: its mtime and version; ``sent``: the local monotonic time that write
+    was sent; ``ttl``: the node's t, ms)."""
+
+    path: str
+    limit: int
+    info: str
+    stat: Any = None
+    sent: float = 0.0
+    ttl: int = 0
+
+    def live_until(self) -> float:
+        """The local monotonic time until which the node is live for sure, had nobody else
+        written it: the server's clock reads at most its ``mtime`` plus the local time since
+        the write was sent, 1 % faster, plus 2 ms (-inf: its last write is not known)."""
+        if self.stat is None:
+            return -math.inf
+        return self.sent + (self.ttl - 2) / 1010
 
 
 @dataclass
