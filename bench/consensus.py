@@ -13,10 +13,10 @@ Raw subjects, per store (what latchkey sends, read from the store modules):
   one-key create-if-absent transaction), as bench/etcd_raw.py. B: the minimal lock whose
   waiter, when the key is taken, opens a watch on it from the next revision and tries again
   on its DELETE event (push: the revoke deletes the key).
-- ZooKeeper, A: latchkey's two pipelined batches on kazoo — create an ephemeral sequential
-  node with its data + list the parent's children; get the node + a multi (delete the node,
-  set the parent: the server's clock) — one round trip each. B: kazoo's own ``Lock`` recipe
-  (a watch on the node ahead).
+- ZooKeeper, A: latchkey's two requests on kazoo — create an ephemeral sequential node with
+  its data + list the parent's children (pipelined); delete the node with a version check (a
+  lease sure to be live: no clock read) — one round trip each. B: kazoo's own ``Lock``
+  recipe (a watch on the node ahead).
 - Redis Cluster and Sentinel, A: latchkey's own ACQUIRE and RELEASE scripts (cluster: the
   SPUBLISH variant), by EVALSHA with the same keys and arguments, through redis-py's
   ``RedisCluster`` / ``Sentinel.master_for`` client. B: the BLPOP hand-off of
@@ -199,14 +199,9 @@ class RawZKHandle:
                 return False
 
     def release(self) -> None:
-        zk = self.s.zk
-        got = zk.get_async(self.path)  # one round trip: get + multi(delete, set parent)
-        tx = zk.transaction()
-        tx.delete(self.path)
-        tx.set_data(self.parent, b"")
-        multi = tx.commit_async()
-        got.get(timeout=10)
-        multi.get(timeout=10)
+        # one round trip: the node is sure to be live (made just now), so latchkey deletes it
+        # with a version check only (stores/zookeeper.py, release_many)
+        self.s.zk.delete(self.path, version=0)
 
 
 class RawZK:
@@ -253,7 +248,7 @@ class KazooLock(RawZK):
 
 
 register(Spec("zookeeper/raw", "zookeeper",
-              "raw kazoo: latchkey's batches (create seq. ephemeral + children; get + multi)",
+              "raw kazoo: latchkey's requests (create seq. ephemeral + children; versioned delete)",
               "raw", lambda env: RawZK(env["zookeeper"]), frozenset("A")))  # fmt: skip
 register(Spec("zookeeper/kazoo-lock", "zookeeper", "raw kazoo Lock recipe", "raw",
               lambda env: KazooLock(env["zookeeper"]), frozenset("AB")))  # fmt: skip

@@ -217,7 +217,7 @@ TARGETS = [
      "<=", 1.2),
     ("16", "etcd B: latchkey / tooz etcd3gw", ("etcd/latchkey", "B"), ("etcd/tooz", "B"),
      "<=", 1.0),
-    ("16", "zookeeper A: latchkey / its two batches sent bare (kazoo)",
+    ("16", "zookeeper A: latchkey / its two requests sent bare (kazoo)",
      ("zookeeper/latchkey", "A"), ("zookeeper/raw", "A"), ">=", 0.9),
     ("16", "zookeeper A: latchkey / tooz zookeeper", ("zookeeper/latchkey", "A"),
      ("zookeeper/tooz", "A"), ">=", 1.0),
