@@ -140,6 +140,50 @@ def test_bad_options_are_config_errors(pg_base: str, query: str) -> None:
         open_backend(f"{pg_base.replace('postgresql://', 'postgresql+advisory://')}?{query}")
 
 
+def test_a_unix_socket_directory_in_the_query_is_libpqs_host(own_server: RunningServer) -> None:
+    """``postgresql:///db?host=/dir&port=N``, libpq's own URL for a Unix socket, reaches the
+    server over that socket (both stores, sync and asyncio: the server sees their sessions
+    with no client port); a host or port given twice — in the address and in the query — is a
+    ConfigError saying so."""
+    sockets = str(own_server.extra["sockets"])
+    where = f"host={sockets}&port={own_server.port}"
+
+    def over_the_socket(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'latchkey%%' "
+            "AND client_port = -1"  # a Unix-socket session
+        ).fetchone()
+        assert row is not None
+        return int(row[0])  # type: ignore[call-overload]
+
+    with psycopg.connect(
+        host=sockets, port=own_server.port, user="postgres", dbname="postgres", autocommit=True
+    ) as conn:
+        for url in (
+            f"postgresql://postgres@/postgres?{where}&table=t_socket",
+            f"postgresql+advisory://postgres@/postgres?{where}&prefix=t_socket",
+        ):
+            store = latchkey.connect(url)
+            try:
+                with store.lock("over the socket", ttl="10s"):
+                    assert store.inspect("over the socket") is not None
+                    assert over_the_socket(conn) >= 1
+            finally:
+                store.close()
+
+            async def over_asyncio(url: str = url) -> int:
+                async with latchkey.connect_async(url) as astore:
+                    async with astore.lock("over the socket, asyncio", ttl="10s"):
+                        assert await astore.inspect("over the socket, asyncio") is not None
+                        return over_the_socket(conn)
+
+            assert asyncio.run(over_asyncio()) >= 1
+    with pytest.raises(ConfigError, match="host given twice"):
+        latchkey.connect(f"postgresql://127.0.0.1:{own_server.port}/postgres?host={sockets}")
+    with pytest.raises(ConfigError, match="port given twice"):
+        latchkey.connect(f"postgresql://127.0.0.1:{own_server.port}/postgres?port=5")
+
+
 def test_tables_are_created_on_first_use_with_their_schema_version(
     backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
 ) -> None:

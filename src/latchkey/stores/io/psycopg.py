@@ -51,7 +51,7 @@ from psycopg import sql
 
 from latchkey._types import Busy, Grant
 from latchkey._url import DriverOptions, Option, StoreURL, choice, known_to
-from latchkey.errors import StoreUnavailable
+from latchkey.errors import ConfigError, StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive
 from latchkey.stores.io.watchdog import WATCHDOG
@@ -206,8 +206,10 @@ CONNECTION_OPTIONS: Mapping[str, Option] = {
 }
 
 #: libpq parameters that come from the URL's own parts (or that would make the connection
-#: something else: a replication connection cannot run our statements).
-_FROM_THE_URL = frozenset({"host", "port", "dbname", "user", "replication"})
+#: something else: a replication connection cannot run our statements). ``host`` and ``port``
+#: may be in the query when the URL names no host (libpq's
+#: ``postgresql:///db?host=/var/run/postgresql``, a Unix-socket directory).
+_FROM_THE_URL = frozenset({"dbname", "user", "replication"})
 _LIBPQ: list[frozenset[str]] = []
 
 
@@ -223,7 +225,8 @@ def _libpq_keywords() -> frozenset[str]:
 #: ``target_session_attrs``…) goes to libpq as given; ``options`` is added to ours.
 LIBPQ = DriverOptions(
     known_to(_libpq_keywords),
-    "any libpq connection parameter but host, port, dbname, user and replication "
+    "any libpq connection parameter but dbname, user and replication (host and port when "
+    "the URL names no host) "
     "(https://www.postgresql.org/docs/current/libpq-connect.html#LIBPQ-PARAMKEYWORDS)",
 )
 
@@ -256,7 +259,15 @@ def connection_params(
     for key in CONNECTION_OPTIONS:
         if config.get(key):
             params[key] = config[key]
-    for key, value in config.get("driver", {}).items():  # the user's libpq parameters win
+    driver = config.get("driver", {})
+    given = [key for key in ("host", "port") if key in driver]
+    if url.hosts and given:
+        raise ConfigError(
+            f"{url.scheme} URL: {' and '.join(given)} given twice, in the address and as "
+            f"?{given[0]}= (use one: postgresql:///db?host=/var/run/postgresql for a Unix "
+            "socket directory)"
+        )
+    for key, value in driver.items():  # the user's libpq parameters win
         params[key] = f"{params['options']} {value}" if key == "options" else value
     return params
 
