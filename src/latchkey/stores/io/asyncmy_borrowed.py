@@ -65,7 +65,7 @@ import pymysql
 
 from latchkey.errors import ConfigError
 from latchkey.stores.io.aio import bounded
-from latchkey.stores.io.pymysql_borrowed import OURS, RESTORE, SAVE
+from latchkey.stores.io.pymysql_borrowed import OURS, RESTORE, SAVE, inner_result
 from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused, no_database
 from latchkey.stores.rows_sql import Statement
 
@@ -150,15 +150,7 @@ class AsyncBorrowedConnection:
             results.append((list(await cur.fetchall()) if cur.description else None, cur.rowcount))
             if not await cur.nextset():
                 break
-        inner = results[head : len(results) - tail] or results[-1:]
-        rows: list[Any] = []
-        count = inner[0][1]
-        for found, rowcount in inner:
-            if found is not None:
-                rows = found
-            else:
-                count = rowcount
-        return rows, count
+        return inner_result(results[head : len(results) - tail] or results[-1:])
 
     async def answer(self, request: Any) -> Any:
         sql, params, _ = request

@@ -87,7 +87,12 @@ def drain_inner(cur: Any, sql: str, params: Any, head: int, tail: int) -> tuple[
         results.append((list(cur.fetchall()) if cur.description else None, cur.rowcount))
         if not cur.nextset():
             break
-    inner = results[head : len(results) - tail]
+    return inner_result(results[head : len(results) - tail])
+
+
+def inner_result(inner: list[tuple[list[Any] | None, int]]) -> tuple[list[Any], int]:
+    """The request's own answer among its statements' (result set or None, row count): the
+    last result set, and the row count of the last statement without one."""
     rows: list[Any] = []
     count = inner[0][1]
     for found, rowcount in inner:
