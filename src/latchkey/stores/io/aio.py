@@ -56,6 +56,26 @@ else:  # pragma: no cover - 3.10
         return await asyncio.wait_for(aw, seconds)
 
 
+async def to_the_end(request: Awaitable[T]) -> T:
+    """Await a request that may grant leases; if the caller is cancelled meanwhile, let the
+    request finish first (the driver's timeout bounds it), then pass the cancellation on.
+
+    After a cancellation the core releases what the owner may hold. Were the request dropped
+    mid-flight instead, its connection closed, the server could still run it *after* that
+    release, which then finds nothing, and the lease would stay held until its TTL.
+    """
+    task = asyncio.ensure_future(request)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # retrieved: the caller gets the cancellation
+        raise
+
+
 async def cut_after(aw: Awaitable[T], seconds: float, fd: int) -> T:
     """Await ``aw``, a call on the socket ``fd``; ``seconds`` later, if it is still running,
     shut the socket down (the call fails by itself, at once) and raise TimeoutError — also when

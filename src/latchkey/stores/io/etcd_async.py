@@ -5,16 +5,16 @@ client's connections are the loop's and nothing runs on a thread. Every call is 
 URL's ``timeout`` (httpx's connect, read, write and pool timeouts). A request is not dropped
 half-way when its caller is cancelled: it finishes first (bounded by the same timeout), so
 that the core's release after the cancellation reaches etcd after whatever the request
-granted (see :func:`to_the_end`). The watch is a plain HTTP/1.1 stream on a connection of its
-own (``asyncio.open_connection``), read with a deadline per wait.
+granted (see :func:`~latchkey.stores.io.aio.to_the_end`). The watch is a plain HTTP/1.1
+stream on a connection of its own (``asyncio.open_connection``), read with a deadline per
+wait.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -22,7 +22,7 @@ import httpx
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, adrive
+from latchkey.stores.io.aio import AsyncDriver, adrive, to_the_end
 from latchkey.stores.io.etcd import (
     ERRORS,
     NOT_SENT,
@@ -43,21 +43,6 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
 T = TypeVar("T")
-
-
-async def to_the_end(request: Awaitable[T]) -> T:
-    """Await a request; if the caller is cancelled meanwhile, let the request finish first
-    (its timeout bounds it), then pass the cancellation on."""
-    task = asyncio.ensure_future(request)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # retrieved: the caller gets the cancellation
-        raise
 
 
 class AsyncEtcdDriver(AsyncDriver):

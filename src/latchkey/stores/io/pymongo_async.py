@@ -6,22 +6,20 @@ selection, connect and every socket read bounded by the URL's ``timeout``); the 
 a connection whose operation failed, timed out or was cancelled, and the next call connects
 again. A request that may grant a lease (``Call.grants``) is not dropped when its caller is
 cancelled: it finishes first, so that the core's release after the cancellation reaches the
-server after it (see :func:`to_the_end`). A borrowed ``AsyncMongoClient`` or
-``AsyncDatabase`` is used as the sync driver uses a borrowed client (its module docstring).
+server after it (see :func:`~latchkey.stores.io.aio.to_the_end`). A borrowed
+``AsyncMongoClient`` or ``AsyncDatabase`` is used as the sync driver uses a borrowed client
+(its module docstring).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pymongo
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
-from latchkey.stores.io.aio import AsyncDriver
+from latchkey.stores.io.aio import AsyncDriver, to_the_end
 from latchkey.stores.io.pymongo import (
     Call,
     Document,
@@ -35,26 +33,6 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
 T = TypeVar("T")
-
-
-async def to_the_end(request: Awaitable[T]) -> T:
-    """Await a request that may grant leases; if the caller is cancelled meanwhile, let the
-    request finish first (the driver's timeouts bound it), then pass the cancellation on.
-
-    After a cancellation the core releases what the owner may hold. Were the request dropped
-    mid-flight instead, its connection closed, the server could still run it *after* that
-    release, which then finds nothing, and the lease would stay held until its TTL.
-    """
-    task = asyncio.ensure_future(request)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        while not task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # retrieved: the caller gets the cancellation
-        raise
 
 
 class AsyncMongoDriver(AsyncDriver):
