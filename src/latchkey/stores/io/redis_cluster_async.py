@@ -28,7 +28,7 @@ from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io.aio import AsyncDriver
 from latchkey.stores.io.redis_async import POOL_SIZE, Listener, PushWaiter
 from latchkey.stores.io.redis_cluster import ERRORS as SYNC_ERRORS
-from latchkey.stores.io.redis_cluster import scan_reply
+from latchkey.stores.io.redis_cluster import cluster_settings, node_settings, scan_reply
 from latchkey.stores.redis import Command, Subscribe
 from latchkey.stores.redis_cluster import Batch, Masters, OnNode
 
@@ -64,30 +64,13 @@ class AsyncClusterDriver(AsyncDriver):
     def __init__(self, backend: BackendBase, store: RedisCluster) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        url, timeout = store.url, self.timeout
-        self.client: Any = Client(
-            startup_nodes=[
-                redis.asyncio.cluster.ClusterNode(h or "localhost", p or 6379) for h, p in url.hosts
-            ],
-            username=url.username,
-            password=url.password,
-            **store.config["driver"],  # redis-py's own options of the URL (client_name…)
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            decode_responses=True,
-            protocol=2,
-            retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
-        )
-        self.listener_settings: dict[str, Any] = {
-            "username": url.username,
-            "password": url.password,
-            **store.config["driver"],
-            "socket_timeout": None,  # a listener waits for news as long as it takes
-            "socket_connect_timeout": timeout,
-            "decode_responses": True,
-            "protocol": 2,
-            "retry": Retry(NoBackoff(), 0),
-        }
+        settings = cluster_settings(store)  # the sync client's, with asyncio's nodes
+        node = redis.asyncio.cluster.ClusterNode
+        settings["startup_nodes"] = [node(n.host, n.port) for n in settings["startup_nodes"]]
+        never = Retry(NoBackoff(), 0)  # a primitive never retries: the core decides
+        self.client: Any = Client(**settings, retry=never)
+        # A listener waits for news as long as it takes.
+        self.listener_settings = {**node_settings(store), "socket_timeout": None, "retry": never}
         self._turns = asyncio.Semaphore(POOL_SIZE)  # requests in flight; first come first served
         self._listeners: dict[str, Listener] = {}
         self._listener_lock = asyncio.Lock()
