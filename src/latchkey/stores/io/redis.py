@@ -71,14 +71,18 @@ def borrowed_settings(
     (sync or asyncio redis-py): its pool's settings, latchkey's reply format, timeout and no
     retries (``retry``: the asyncio flavour's Retry object) on top."""
     pool = client.connection_pool
-    # Not the pool's maintenance-notification state (redis-py >= 7: RESP3 only, and the
-    # pool's own handler): our connections speak RESP2 and belong to no pool of redis-py's.
-    kept = {
-        key: value
-        for key, value in pool.connection_kwargs.items()
-        if not key.startswith(("maint_notifications", "orig_"))
-    }
     return pool.connection_class, {
+        **ours_after(pool.connection_kwargs, timeout),
+        "retry": retry or Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
+    }
+
+
+def ours_after(kwargs: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+    """A borrowed client's connection arguments with latchkey's reply format and timeout on
+    top. Not the pool's maintenance-notification state (redis-py >= 7: RESP3 only, and the
+    pool's own handler): our connections speak RESP2 and belong to no pool of redis-py's."""
+    kept = {k: v for k, v in kwargs.items() if not k.startswith(("maint_notifications", "orig_"))}
+    return {
         **kept,
         "decode_responses": True,
         "encoding": "utf-8",  # owner records are UTF-8, whatever the application reads
@@ -86,7 +90,6 @@ def borrowed_settings(
         "protocol": 2,
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
-        "retry": retry or Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
     }
 
 

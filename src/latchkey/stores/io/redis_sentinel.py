@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from latchkey.stores.io.redis import RedisDriver, settings
+from latchkey.stores.io.redis import RedisDriver, ours_after, settings
 
 if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
@@ -65,21 +65,8 @@ def followed_settings(
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
     }
-    kept = {  # not the pool's maintenance-notification state (see borrowed_settings)
-        key: value
-        for key, value in client.connection_kwargs.items()
-        if not key.startswith(("maint_notifications", "orig_"))
-    }
-    to_master = {
-        **kept,
-        "db": store.db,  # the Sentinel's own db unless connect() was given one
-        "decode_responses": True,
-        "encoding": "utf-8",  # owner records are UTF-8, whatever the application reads
-        "encoding_errors": "strict",
-        "protocol": 2,
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
-    }
+    # the Sentinel's own db unless connect() was given one
+    to_master = {**ours_after(client.connection_kwargs, timeout), "db": store.db}
     return sentinels, to_sentinel, to_master
 
 
