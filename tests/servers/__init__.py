@@ -14,6 +14,7 @@ pid at the end. Nothing here touches services already running on the machine.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
@@ -85,6 +86,27 @@ class RunningServer:
             raise RuntimeError("this server cannot be restarted")
         self.pid = self.restart_cmd()
         wait_port_open(self.port)
+
+
+#: The server processes started with Popen, kept so that each is reaped (no zombie, no
+#: "still running" warning from a collected Popen) once it has been stopped by pid.
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def keep(proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    """Keep a server process started with Popen until it is reaped: at the next start, or at
+    exit (each was stopped by pid before the run ended)."""
+    for old in _STARTED:
+        old.poll()  # reap servers stopped earlier
+    _STARTED.append(proc)
+    return proc
+
+
+@atexit.register
+def _reap_stopped_servers() -> None:
+    for proc in _STARTED:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 def _stopped(pid: int) -> bool:

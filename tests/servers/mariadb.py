@@ -9,8 +9,6 @@ has no password over TCP; the tests create their own users where they need one.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import subprocess
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from tests.servers import (
     StoreRow,
     ensure_binary,
     free_port,
+    keep,
     read_pidfile,
     replace_scheme,
     wait_port_open,
@@ -32,17 +31,6 @@ from tests.servers import (
 )
 
 DATABASE = "latchkey_test"
-#: The server processes we started, kept so that each is reaped (no zombie, no
-#: "still running" warning from a collected Popen) once it has been stopped.
-_STARTED: list[subprocess.Popen[bytes]] = []
-
-
-@atexit.register
-def _reap_stopped_servers() -> None:
-    """Reap every server we started (each was stopped by pid before the run ended)."""
-    for proc in _STARTED:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
 
 
 def _run(cmd: list[str], cwd: Path, what: str) -> None:
@@ -86,9 +74,7 @@ def start(workdir: Path) -> RunningServer:
             proc = subprocess.Popen(
                 cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
-        _STARTED.append(proc)
-        for old in _STARTED:
-            old.poll()  # reap servers stopped earlier
+        keep(proc)
         read_pidfile(pidfile, timeout=60)
         return proc.pid
 

@@ -30,14 +30,13 @@ from tests.servers import (
     StoreRow,
     ensure_binary,
     free_port,
+    keep,
     with_query,
 )
 
 CLASSPATH = "/usr/share/java/zookeeper.jar:/usr/share/java/*"
 JAR = "/usr/share/java/zookeeper.jar"
 SCRIPT = "/usr/share/zookeeper/bin/zkServer.sh"
-#: The servers started, kept for the session (a Popen dropped while its process runs warns).
-PROCESSES: list[subprocess.Popen[bytes]] = []
 
 
 def srvr(port: int, timeout: float = 0.5) -> str:
@@ -135,7 +134,7 @@ def start_zookeeper(
             start_new_session=True,
         )  # fmt: skip
         log.close()
-        PROCESSES.append(proc)
+        keep(proc)
         try:
             if wait:
                 wait_serving(port)
