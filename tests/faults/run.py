@@ -240,7 +240,7 @@ def _inject(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             servers.wait_port_closed(server.port)
-            _wait_gone(tree)
+            servers.wait_gone(tree)
             data, sockets = server.extra.get("data"), server.extra.get("sockets")
             if data and sockets:  # PostgreSQL: the dead postmaster may linger as a zombie
                 # nobody reaps (this sandbox's init does not), and a zombie's pid "exists"
@@ -275,24 +275,6 @@ def _cuts(caps: Any) -> tuple[str, ...]:
     if not caps.durable:  # a restart forgets every lease
         return ("restart", "kill")
     return ()
-
-
-def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
-    """Until every one of ``pids`` has exited (a zombie child of ours is reaped)."""
-    deadline = time.monotonic() + timeout
-    while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _running(p)]
-        time.sleep(0.02)
-
-
-def _running(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def _resume(server: servers.RunningServer) -> None:

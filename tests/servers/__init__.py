@@ -47,10 +47,13 @@ class RunningServer:
     extra: dict[str, object] = field(default_factory=dict)
 
     def stop(self) -> None:
-        """Stop the server by pid and wait until its port is closed."""
+        """Stop the server by pid and wait until its port is closed and its process has
+        exited: a server closes its port before it is done shutting down (PostgreSQL writes
+        its shutdown checkpoint, then removes postmaster.pid), and a start in between fails."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, self.stop_signal)
         wait_port_closed(self.port)
+        wait_gone([self.pid])
 
     def processes(self) -> list[int]:
         """The server's pid and its children's (PostgreSQL serves each session from a child:
@@ -196,6 +199,28 @@ def wait_port_closed(port: int, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"127.0.0.1:{port} still open {timeout}s after stop")
         time.sleep(0.02)
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    """Until every one of ``pids`` has exited (a zombie counts as exited, and one that is
+    our child is reaped)."""
+    deadline = time.monotonic() + timeout
+    while pids := [p for p in pids if running(p)]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {pids} still running {timeout}s after stop")
+        time.sleep(0.02)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is alive: not gone, not a zombie (reaped here if it is our child;
+    this sandbox's init does not reap the daemons it inherits, so theirs may linger)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 _apt_updated = False
