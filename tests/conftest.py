@@ -94,6 +94,7 @@ MODULE_SERVER = {
     "test_mysql_specific": "mysql",
     "test_redis_specific": "redis",
     "test_redis_cluster_specific": "redis_cluster",
+    "test_redis_tls": "redis_tls",  # servers of its own, on one worker
     "test_memcached_specific": "memcached",
     "test_mongodb_specific": "mongodb",
     "test_etcd_specific": "etcd",

@@ -267,9 +267,10 @@ def test_blocking_wait_is_woken_by_release(store: latchkey.Store, name: str) -> 
     assert result == [True]  # the lease was 60 s long: only the release can have freed it
 
 
-#: The stores whose LockInfo says how many processes wait (the subscribers of the name's wake
-#: channel); every other store answers None: it cannot tell.
-COUNTS_WAITERS = {"redis", "rediss", "redis+sentinel", "redis+cluster"}
+#: The stores whose LockInfo says how many processes wait (Redis: the subscribers of the
+#: name's wake channel; ZooKeeper: the processes with a node in line); every other store
+#: answers None: it cannot tell.
+COUNTS_WAITERS = {"redis", "rediss", "redis+sentinel", "redis+cluster", "zookeeper"}
 
 
 def test_inspect_says_how_many_wait_where_the_store_can_tell(

@@ -771,9 +771,16 @@ def test_a_sentinel_is_followed_with_latchkeys_timeouts_and_its_password_masked(
     finally:
         store.close()
     assert app.sentinels[0].connection_pool.connection_kwargs["socket_timeout"] is None
-    with pytest.raises(ConfigError, match="master connections use TLS"):
-        latchkey.connect(client=redis.sentinel.Sentinel([("127.0.0.1", 1)], ssl=True),
-                         service="mymaster")  # fmt: skip
+    # TLS to the master (tested against TLS servers in test_redis_tls.py): rediss+sentinel
+    tls_app = redis.sentinel.Sentinel([("127.0.0.1", 1)], ssl=True, ssl_ca_certs="/ca.pem")
+    tls = latchkey.connect(client=tls_app, service="mymaster")
+    try:
+        assert tls.url.startswith("rediss+sentinel://127.0.0.1:1/mymaster")
+        pool = tls.backend.io.client.connection_pool
+        assert issubclass(pool.connection_class, redis.SSLConnection)
+        assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
+    finally:
+        tls.close()
 
 
 def test_keyword_options_also_ride_with_a_url() -> None:

@@ -7,13 +7,17 @@ The shared semantics are tested by the rest of tests/contract on every store.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from kazoo.client import KazooClient
 
 import latchkey
 from latchkey import ConfigError, LockLost
@@ -320,3 +324,78 @@ def test_a_release_reads_the_node_another_object_rewrote(zk_url: str) -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_waiting_processes_counts_a_process_once_whatever_its_stores(
+    zk_url: str, api: str
+) -> None:
+    """Each node in line carries its owner record (host, pid, process start): waiters of one
+    process count once, however many stores (sessions), threads or coroutines they come
+    from — unlike Redis, which counts one per store. Its holders are not counted; a second
+    process is (tests/multiprocess/test_waiting_processes.py)."""
+    name = f"procs:{uuid.uuid4().hex[:8]}"
+    stores = [latchkey.connect(zk_url) for _ in range(2)]
+    holder = stores[0].semaphore(name, limit=2, ttl="60s", wait=0)
+    other = stores[1].semaphore(name, limit=2, ttl="60s", wait=0)
+    assert holder.acquire() and other.acquire()  # two holders from two sessions
+    waiters: list[threading.Thread] = []
+    try:
+        assert stores[0].inspect(name).waiting_processes == 0  # type: ignore[union-attr]
+        if api == "sync":
+
+            def wait_on(store: latchkey.Store) -> None:
+                with store.semaphore(name, limit=2, ttl="60s", wait="30s"):
+                    pass
+
+            for store in stores:  # a waiting thread on each store: two sessions, one process
+                waiters.append(threading.Thread(target=wait_on, args=(store,)))
+                waiters[-1].start()
+        else:
+
+            async def wait_on_async(store: latchkey.AsyncStore) -> None:
+                async with store.semaphore(name, limit=2, ttl="60s", wait="30s"):
+                    pass
+
+            async def wait_twice() -> None:
+                async with latchkey.connect_async(zk_url) as one, \
+                        latchkey.connect_async(zk_url) as two:  # fmt: skip
+                    await asyncio.gather(*(wait_on_async(s) for s in (one, two, one)))
+
+            waiters.append(threading.Thread(target=lambda: asyncio.run(wait_twice())))
+            waiters[-1].start()
+
+        # Every waiter has a node in line (a first try's node comes and goes before it: while
+        # it is there it counts too, and as the same process): one process waits. Counted by
+        # session it would be 2 or 3 whenever every waiter has a node.
+        parent = stores[0].backend.store.parent(name)  # type: ignore[attr-defined]
+        expected_nodes = 2 + (2 if api == "sync" else 3)
+
+        def one_process_in_line() -> bool:
+            info = stores[0].inspect(name)
+            assert info is not None and len(info.holders) == 2
+            return len(zk.get_children(parent)) == expected_nodes and info.waiting_processes == 1
+
+        with _kazoo(zk_url) as zk:
+            eventually(one_process_in_line, what="every waiter in line, one process")
+        (listed,) = [i for i in stores[1].list(prefix="procs:") if i.name == name]
+        assert listed.waiting_processes == 1
+    finally:
+        holder.release()
+        other.release()
+        for thread in waiters:
+            thread.join(timeout=40)
+        for store in stores:
+            store.close()
+
+
+@contextlib.contextmanager
+def _kazoo(zk_url: str) -> Iterator[KazooClient]:
+    """A kazoo client of the test's own on the URL's server (no chroot: latchkey's paths are
+    absolute)."""
+    client = KazooClient(hosts=zk_url.split("://", 1)[1].split("/", 1)[0])
+    client.start(timeout=10)
+    try:
+        yield client
+    finally:
+        client.stop()
+        client.close()

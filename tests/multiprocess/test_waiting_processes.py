@@ -1,5 +1,6 @@
 """``LockInfo.waiting_processes`` and ``latchkey ls``'s PROCS WAITING, with real processes
-waiting: on the Redis stores, the subscribers of a name's wake channel."""
+waiting: on the Redis stores, the subscribers of a name's wake channel; on ZooKeeper, the
+processes whose nodes wait in line (told apart by the owner record each node carries)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.multiprocess import workers
 
 #: The stores that can tell how many processes wait (the others answer None: see
 #: tests/contract/test_mutex.py).
-STORE_ROWS = {"redis", "redis+sentinel", "redis+cluster"}
+STORE_ROWS = {"redis", "redis+sentinel", "redis+cluster", "zookeeper"}
 
 
 def _waiting(store: latchkey.Store, name: str) -> int | None:
@@ -61,7 +62,8 @@ def test_waiting_processes_counts_the_processes_that_wait(
     (entry,) = json.loads(_ls(store_url, name, capsys, "--json"))
     assert entry["name"] == name and entry["waiting_processes"] == 4
 
-    os.kill(procs[0].pid, signal.SIGKILL)  # its connection closes: one fewer waits
+    # Its connection closes (ZooKeeper: its session ends, its node goes): one fewer waits.
+    os.kill(procs[0].pid, signal.SIGKILL)
     procs[0].join(timeout=10)
     eventually(lambda: _waiting(store, name) == 3, timeout=30, what="three processes wait")
 

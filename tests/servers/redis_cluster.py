@@ -32,7 +32,7 @@ from tests.servers import (
     wait_port_closed,
     with_query,
 )
-from tests.servers.redis import wait_ping
+from tests.servers.redis import make_certificates, wait_ping
 
 MASTERS = 3
 
@@ -107,8 +107,9 @@ class RunningCluster(RunningServer):
 
     def start(self) -> None:
         nodes = self._nodes()
+        args: dict[int, list[str]] = self.extra.get("args", {})  # type: ignore[assignment]
         for port in nodes:
-            nodes[port] = start_node(self.workdir, port)
+            nodes[port] = start_node(self.workdir, port, *args.get(port, []))
         self.pid = nodes[self.port]
         deadline = time.monotonic() + 30
         while not all(cluster_ok(p) for p in nodes):
@@ -126,14 +127,38 @@ class RunningCluster(RunningServer):
         wait_port_closed(port)
 
 
-def start_cluster(workdir: Path, masters: int = MASTERS, replicas: int = 0) -> RunningCluster:
-    """``masters`` masters with ``replicas`` replicas each; the URL names the first node."""
+def tls_arguments(files: dict[str, Path], tls_port: int) -> list[str]:
+    """A node's arguments for TLS on ``tls_port``, a client certificate required, the cluster
+    bus over TLS too (``tls-cluster``: on ``tls_port`` + 10000) and replication over TLS. The
+    plain port stays for the readiness checks and the tests' admin connections; a node names
+    the TLS ports in CLUSTER SLOTS to a client that came over TLS."""
+    return [
+        "--tls-port", str(tls_port), "--tls-cert-file", str(files["server.pem"]),
+        "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.pem"]),
+        "--tls-auth-clients", "yes", "--tls-cluster", "yes", "--tls-replication", "yes",
+    ]  # fmt: skip
+
+
+def start_cluster(
+    workdir: Path, masters: int = MASTERS, replicas: int = 0, tls: bool = False
+) -> RunningCluster:
+    """``masters`` masters with ``replicas`` replicas each; the URL names the first node.
+    ``tls``: every node serves TLS too (:func:`tls_arguments`) and the URL is
+    ``rediss+cluster://`` to the first node's TLS port; ``extra["tls_ports"]``: plain port ->
+    TLS port, ``extra["files"]``: the certificates."""
     workdir.mkdir(parents=True, exist_ok=True)
     nodes: dict[int, int] = {}
+    tls_ports: dict[int, int] = {}
+    args: dict[int, list[str]] = {}
+    files = make_certificates(workdir / "tls") if tls else {}
     try:
         for _ in range(masters * (1 + replicas)):
-            port = node_port()
-            nodes[port] = start_node(workdir, port)
+            if tls:  # the cluster bus is on the TLS port + 10000
+                port, tls_ports[port] = free_port(), node_port()
+                args[port] = tls_arguments(files, tls_ports[port])
+            else:
+                port = node_port()
+            nodes[port] = start_node(workdir, port, *args.get(port, []))
         create_cluster(list(nodes), replicas)
     except BaseException:
         for pid in nodes.values():
@@ -141,9 +166,12 @@ def start_cluster(workdir: Path, masters: int = MASTERS, replicas: int = 0) -> R
                 os.kill(pid, signal.SIGTERM)
         raise
     first = next(iter(nodes))
+    url = f"redis+cluster://127.0.0.1:{first}"
+    if tls:
+        url = f"rediss+cluster://127.0.0.1:{tls_ports[first]}"
     return RunningCluster(
-        url=f"redis+cluster://127.0.0.1:{first}", pid=nodes[first], port=first, workdir=workdir,
-        extra={"nodes": nodes},
+        url=url, pid=nodes[first], port=first, workdir=workdir,
+        extra={"nodes": nodes, "args": args, "tls_ports": tls_ports, "files": files},
     )  # fmt: skip
 
 

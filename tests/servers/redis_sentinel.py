@@ -5,7 +5,8 @@ A master, a replica (``--replicaof`` the master) and one ``redis-sentinel`` (Deb
 loopback port, without persistence. The row's URL names the sentinel and the service:
 ``redis+sentinel://127.0.0.1:SENTINEL_PORT/latchkey``; ``LATCHKEY_TEST_REDIS_SENTINEL_URL``
 points the suite at an existing setup instead. ``stop``/``start``/``frozen`` act on all three
-processes; :func:`start_setup` lets a failover test start its own.
+processes; :func:`start_setup` lets a failover test start its own, and with ``tls=True`` a
+setup that serves TLS (:func:`tls_arguments`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.servers import (
     wait_port_closed,
     with_query,
 )
-from tests.servers.redis import wait_ping
+from tests.servers.redis import make_certificates, wait_ping
 
 SERVICE = "latchkey"
 
@@ -65,13 +66,28 @@ def _node(workdir: Path, port: int, *extra: str) -> Callable[[], int]:
     return launch
 
 
-def _sentinel(workdir: Path, port: int, master_port: int) -> Callable[[], int]:
+def tls_arguments(files: dict[str, Path], tls_port: int) -> list[str]:
+    """redis-server's arguments for TLS on ``tls_port`` (the plain port stays, for the
+    readiness checks and the tests' admin connections): a client certificate required, and
+    TLS to the master too (replication; a sentinel's connections to the servers)."""
+    return [
+        "--tls-port", str(tls_port), "--tls-cert-file", str(files["server.pem"]),
+        "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.pem"]),
+        "--tls-auth-clients", "yes", "--tls-replication", "yes",
+    ]  # fmt: skip
+
+
+def _sentinel(
+    workdir: Path, port: int, master_port: int, tls: list[str] | None = None
+) -> Callable[[], int]:
     binary = ensure_binary("redis-sentinel", "redis-sentinel")
     pidfile = workdir / f"sentinel-{port}.pid"
     conf = workdir / f"sentinel-{port}.conf"  # the sentinel rewrites it: a file of its own
+    pairs = zip(tls[::2], tls[1::2], strict=True) if tls else ()
+    tls_lines = "".join(f"{key[2:]} {value}\n" for key, value in pairs)  # --tls-port → tls-port
     conf.write_text(
         f"port {port}\nbind 127.0.0.1\ndaemonize yes\npidfile {pidfile}\n"
-        f"logfile {workdir / f'sentinel-{port}.log'}\ndir {workdir}\n"
+        f"logfile {workdir / f'sentinel-{port}.log'}\ndir {workdir}\n{tls_lines}"
         f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 1\n"
         f"sentinel down-after-milliseconds {SERVICE} 1000\n"
         f"sentinel failover-timeout {SERVICE} 10000\n"
@@ -125,16 +141,31 @@ class RunningSetup(RunningServer):
         return list(self._pids().values())
 
 
-def start_setup(workdir: Path) -> RunningSetup:
-    """Start a master, its replica and a sentinel watching them."""
+def start_setup(workdir: Path, tls: bool = False) -> RunningSetup:
+    """Start a master, its replica and a sentinel watching them. ``tls``: each also serves
+    TLS on a port of its own and asks for a client certificate, the replica replicates and
+    the sentinel watches over TLS (it names the master's TLS port), and the URL is
+    ``rediss+sentinel://`` to the sentinel's TLS port; ``extra["tls_ports"]``: role -> TLS
+    port, ``extra["files"]``: the certificates (:func:`tests.servers.redis.make_certificates`).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {"master": free_port(), "replica": free_port(), "sentinel": free_port()}
+    roles = ("master", "replica", "sentinel")
+    ports = {role: free_port() for role in roles}
+    served = dict(ports)  # the ports clients (and the replica, the sentinel) use
+    args: dict[str, list[str]] = {role: [] for role in roles}
+    extra: dict[str, object] = {}
+    if tls:
+        files = make_certificates(workdir / "tls")
+        served = {role: free_port() for role in roles}
+        args = {role: tls_arguments(files, served[role]) for role in roles}
+        extra = {"tls_ports": served, "files": files}
     launch = {
-        "master": _node(workdir, ports["master"]),
+        "master": _node(workdir, ports["master"], *args["master"]),
         "replica": _node(
-            workdir, ports["replica"], "--replicaof", "127.0.0.1", str(ports["master"])
+            workdir, ports["replica"], *args["replica"], "--replicaof", "127.0.0.1",
+            str(served["master"]),
         ),
-        "sentinel": _sentinel(workdir, ports["sentinel"], ports["master"]),
+        "sentinel": _sentinel(workdir, ports["sentinel"], served["master"], args["sentinel"]),
     }
     pids: dict[str, int] = {}
     try:
@@ -145,10 +176,11 @@ def start_setup(workdir: Path) -> RunningSetup:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         raise
+    scheme = "rediss+sentinel" if tls else "redis+sentinel"
     return RunningSetup(
-        url=f"redis+sentinel://127.0.0.1:{ports['sentinel']}/{SERVICE}",
+        url=f"{scheme}://127.0.0.1:{served['sentinel']}/{SERVICE}",
         pid=pids["sentinel"], port=ports["sentinel"], workdir=workdir,
-        extra={"ports": ports, "pids": pids, "launch": launch},
+        extra={"ports": ports, "pids": pids, "launch": launch, **extra},
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -162,7 +163,7 @@ def _redis_kwargs(url: str) -> dict[str, object]:
     backend: object = open_backend(url)
     try:
         store = backend.store  # type: ignore[attr-defined]
-        if url.startswith("redis+cluster"):
+        if url.startswith(("redis+cluster", "rediss+cluster")):
             assert node_settings(store).items() >= {"client_name": "w-1"}.items()
             return cluster_settings(store)
         return settings(store)
@@ -212,6 +213,40 @@ def test_redis_tls_options_pass_through_typed_on_rediss_only() -> None:
     assert kwargs["ssl_cert_reqs"] == "optional" and kwargs["ssl_ciphers"] == "ECDHE+AESGCM"
     assert kwargs["ssl_include_verify_flags"] == [ssl.VerifyFlags.VERIFY_X509_STRICT]
     assert _redis_kwargs("rediss://h:1/0")["ssl_cert_reqs"] == "required"  # the default
+
+
+def test_tls_schemes_of_sentinel_and_cluster_reach_every_connection() -> None:
+    """``rediss+sentinel://``: the sentinels and the master over TLS with the URL's TLS
+    options (the sentinels no other redis-py option); ``rediss+cluster://``: the cluster
+    client (every node) and the listener connections."""
+    from latchkey.stores.io.redis_cluster import node_settings
+    from latchkey.stores.io.redis_sentinel import sentinel_settings
+
+    query = "ssl_ca_certs=/ca.pem&ssl_password=k3y-pw&client_name=w-1"
+    backend: Any = open_backend(f"rediss+sentinel://h:1/m?{query}")
+    try:
+        _, to_sentinel, to_master = sentinel_settings(backend.store)
+        for kwargs in (to_sentinel, to_master):
+            assert kwargs["ssl"] is True and kwargs["ssl_cert_reqs"] == "required"
+            assert (kwargs["ssl_ca_certs"], kwargs["ssl_password"]) == ("/ca.pem", "k3y-pw")
+        assert "client_name" not in to_sentinel and to_master["client_name"] == "w-1"
+        assert "k3y-pw" not in repr(backend)
+    finally:
+        backend.close()
+    plain: Any = open_backend("redis+sentinel://h:1/m")
+    try:
+        assert all("ssl" not in kwargs for kwargs in sentinel_settings(plain.store)[1:])
+    finally:
+        plain.close()
+    cluster = _redis_kwargs(f"rediss+cluster://h:1?{query}")
+    assert cluster["ssl"] is True and cluster["ssl_ca_certs"] == "/ca.pem"
+    backend = open_backend(f"rediss+cluster://h:1?{query}")
+    try:
+        listener = node_settings(backend.store)
+        assert listener["ssl"] is True and listener["ssl_password"] == "k3y-pw"
+    finally:
+        backend.close()
+    assert "ssl" not in _redis_kwargs("redis+cluster://h:1?client_name=w-1")
     assert "ssl" not in _redis_kwargs("redis://h:1/0")
     backend = open_backend("rediss://h:1/0?ssl_password=k3y-pw&ssl_min_version=TLSv1_2")
     try:
@@ -238,9 +273,12 @@ def test_redis_tls_options_pass_through_typed_on_rediss_only() -> None:
         ("redis://h?health_check_interval=soon", "health_check_interval='soon': must be a whole"),
         ("redis://h?socket_keepalive=maybe", "socket_keepalive='maybe': must be true or false"),
         ("redis://h?ssl_ca_certs=/etc/ssl/ca.pem", "option ssl_ca_certs is for TLS: use rediss://"),
-        ("redis+sentinel://h:1/m?ssl_certfile=/c.pem", "ssl_certfile is for TLS: use rediss:// "
-         r"\(redis\+sentinel:// has no TLS\)"),
-        ("redis+cluster://h:1?ssl_ca_certs=/ca.pem", "redis\\+cluster:// connects without TLS"),
+        ("redis+sentinel://h:1/m?ssl_certfile=/c.pem",
+         r"ssl_certfile is for TLS: use rediss\+sentinel://"),
+        ("redis+cluster://h:1?ssl_ca_certs=/ca.pem", r"ssl_ca_certs is for TLS: use rediss\+cluster://"),
+        ("rediss+cluster://h:1?ssl_cert_reqs=maybe", "ssl_cert_reqs='maybe': must be one of"),
+        ("rediss+sentinel://h:1/m?ssl_min_version=SSLv3", "must be a TLS version"),
+        ("rediss+cluster://h:1?ssl=true", "use the rediss:// scheme"),
         ("redis+cluster://h:1?health_check_interval=5", "not accepted on a cluster"),
         ("rediss://h?ssl_min_version=SSLv3", "ssl_min_version='SSLv3': must be a TLS version"),
         ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs='maybe': must be one of required"),
@@ -249,7 +287,7 @@ def test_redis_tls_options_pass_through_typed_on_rediss_only() -> None:
         ("redis://h?nosuch=1", r"unknown URL option 'nosuch' \(known options: prefix, timeout; "
          "also redis-py's client_name, health_check_interval, .*docs/reference/urls.md"),
         ("redis+cluster://h:1?nosuch=1", r"also redis-py's client_name, "
-         r"socket_keepalive, socket_read_size \(docs"),
+         r"socket_keepalive, socket_read_size, ssl_ca_certs, .*ssl_password"),
     ],
 )  # fmt: skip
 def test_redis_options_latchkey_cannot_use_are_refused_saying_why(url: str, message: str) -> None:

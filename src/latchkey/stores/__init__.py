@@ -63,7 +63,13 @@ BUILTIN: dict[str, tuple[str, str | None, str | None]] = {
     "redis+cluster": _store(
         "redis_cluster", "RedisClusterBackend", ":AsyncRedisClusterBackend", "redis"
     ),
+    "rediss+cluster": _store(
+        "redis_cluster", "RedisClusterBackend", ":AsyncRedisClusterBackend", "redis"
+    ),
     "redis+sentinel": _store(
+        "redis_cluster", "RedisSentinelBackend", ":AsyncRedisSentinelBackend", "redis"
+    ),
+    "rediss+sentinel": _store(
         "redis_cluster", "RedisSentinelBackend", ":AsyncRedisSentinelBackend", "redis"
     ),
     "memcached": _store("memcached", "MemcachedBackend", ":AsyncMemcachedBackend", "memcached"),

@@ -93,15 +93,23 @@ def _redis_cluster(client: Any) -> Endpoint:
     return Endpoint(first[0], first[1], user, password, "", nodes)
 
 
+def _redis_cluster_scheme(client: Any) -> str:
+    """``rediss+cluster`` for a cluster client whose node connections use TLS (sync: ``ssl``;
+    asyncio: an SSLConnection class): the store follows its TLS settings
+    (:func:`latchkey.stores.io.redis_cluster.borrowed_tls`)."""
+    kwargs = client.nodes_manager.connection_kwargs
+    ssl = kwargs.get("ssl") or "SSL" in getattr(kwargs.get("connection_class"), "__name__", "")
+    return "rediss+cluster" if ssl else "redis+cluster"
+
+
+def _sentinel_scheme(client: Any) -> str:
+    """``rediss+sentinel`` for a Sentinel whose master connections use TLS (``ssl=True``):
+    the store follows its settings, TLS ones too (:mod:`latchkey.stores.io.redis_sentinel`)."""
+    return "rediss+sentinel" if client.connection_kwargs.get("ssl") else "redis+sentinel"
+
+
 def _sentinel(client: Any) -> Endpoint:
-    """A redis-py Sentinel (sync or asyncio): its sentinels, and the master connections' AUTH.
-    A Sentinel whose master connections use TLS is refused: the store's connections to the
-    master are plain TCP (``redis+sentinel://`` has no TLS either)."""
-    if client.connection_kwargs.get("ssl"):
-        raise ConfigError(
-            f"latchkey cannot use a {_qualnames(client)[0]} whose master connections use TLS "
-            "(ssl=True): latchkey's Sentinel store connects to the master without TLS"
-        )
+    """A redis-py Sentinel (sync or asyncio): its sentinels, and the master connections' AUTH."""
     nodes = tuple(
         (
             str(sentinel.connection_pool.connection_kwargs.get("host", "localhost")),
@@ -291,20 +299,20 @@ KINDS: list[ClientKind] = [
     ClientKind("redis.client.Redis", "redis.Redis", _redis_scheme, False, _redis),
     ClientKind("redis.asyncio.client.Redis", "redis.asyncio.Redis", _redis_scheme, True, _redis),
     ClientKind(
-        "redis.cluster.RedisCluster", "redis.cluster.RedisCluster", "redis+cluster", False,
-        _redis_cluster,
+        "redis.cluster.RedisCluster", "redis.cluster.RedisCluster", _redis_cluster_scheme,
+        False, _redis_cluster,
     ),
     ClientKind(
         "redis.asyncio.cluster.RedisCluster", "redis.asyncio.cluster.RedisCluster",
-        "redis+cluster", True, _redis_cluster,
+        _redis_cluster_scheme, True, _redis_cluster,
     ),
     ClientKind(
-        "redis.sentinel.Sentinel", "redis.sentinel.Sentinel (with service=…)", "redis+sentinel",
+        "redis.sentinel.Sentinel", "redis.sentinel.Sentinel (with service=…)", _sentinel_scheme,
         False, _sentinel, service=True,
     ),
     ClientKind(
         "redis.asyncio.sentinel.Sentinel", "redis.asyncio.sentinel.Sentinel (with service=…)",
-        "redis+sentinel", True, _sentinel, service=True,
+        _sentinel_scheme, True, _sentinel, service=True,
     ),
     ClientKind(
         "psycopg_pool.pool.ConnectionPool", "psycopg_pool.ConnectionPool", "postgresql", False,

@@ -42,7 +42,7 @@ from latchkey._url import Option, key_prefix
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
-from latchkey.stores.io.redis_options import REDIS_OPTIONS, tls_misused
+from latchkey.stores.io.redis_options import REDIS_OPTIONS, tls_misused, tls_scheme
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 from latchkey.stores.redis_lua import (
     ACQUIRE,
@@ -126,12 +126,13 @@ def _infos(names: Sequence[str], reply: Sequence[Any]) -> list[LockInfo]:
 
 
 def _check_tls(store: Store) -> None:
-    """A TLS option (``ssl_ca_certs``…) in a URL whose scheme is not ``rediss``: ConfigError."""
-    misused = tls_misused(store.url.scheme, store.config["driver"])
+    """A TLS option (``ssl_ca_certs``…) in a URL without TLS (``redis://``,
+    ``redis+sentinel://``, ``redis+cluster://``): ConfigError naming the TLS scheme."""
+    scheme = store.url.scheme
+    misused = tls_misused(scheme, store.config["driver"])
     if misused is not None:
         raise ConfigError(
-            f"{store.url.scheme} store: option {misused} is for TLS: use rediss://"
-            + ("" if store.url.scheme == "redis" else f" ({store.url.scheme}:// has no TLS)")
+            f"{scheme} store: option {misused} is for TLS: use {tls_scheme(scheme)}://"
         )
 
 

@@ -138,6 +138,7 @@ class RedisCluster(Redis):
             raise ConfigError(f"{url.scheme} store: a cluster has only db 0, not {url.path!r}")
         self.db = 0
         self.prefix: str = self.config["prefix"]
+        _check_tls(self)
 
     def slot(self, name: str) -> int:
         """The cluster slot of every key of ``name``: CRC16 (XMODEM, as Redis Cluster's) of

@@ -66,7 +66,17 @@ from latchkey.stores.zookeeper_nodes import (
     in_order,
     read_node,
     ttl_ms,
+    waiting_processes,
 )
+
+
+def _info(name: str, nodes: list[Node], now: int) -> LockInfo | None:
+    """A name's holders, and how many processes wait in line for it (the other live nodes'
+    owners: :func:`~latchkey.stores.zookeeper_nodes.waiting_processes`); None if not held."""
+    found = holders(nodes, now)
+    if not found:
+        return None
+    return LockInfo(name, tuple(n.holder() for n in found), waiting_processes(nodes, found, now))
 
 
 class ZooKeeper(Line, Store):
@@ -265,8 +275,7 @@ class ZooKeeper(Line, Store):
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
         nodes, now = yield from self._read([name])
-        found = holders(nodes[name], now)
-        return LockInfo(name, tuple(n.holder() for n in found)) if found else None
+        return _info(name, nodes[name], now)
 
     def _names(self, prefix: str) -> Steps[list[str]]:
         yield from self._ensure()
@@ -283,8 +292,7 @@ class ZooKeeper(Line, Store):
     def list(self, prefix: str) -> Steps[list[LockInfo]]:
         names = yield from self._names(prefix)
         nodes, now = yield from self._read(names)
-        found = [(n, holders(nodes[n], now)) for n in names]
-        return [LockInfo(n, tuple(h.holder() for h in hs)) for n, hs in found if hs]
+        return [info for n in names if (info := _info(n, nodes[n], now)) is not None]
 
     def force_release(self, name: str) -> Steps[bool]:
         nodes, now = yield from self._read([name])

@@ -92,6 +92,22 @@ def holders(nodes: Iterable[Node], now: int) -> list[Node]:
     return [n for rank, n in enumerate(live) if rank < n.limit]
 
 
+def waiting_processes(nodes: Iterable[Node], held: Iterable[Node], now: int) -> int:
+    """How many processes wait in line: the owners of the live nodes that hold no slot, told
+    apart by the owner record each node carries (host, pid, process start), so the threads,
+    coroutines and stores of one process count once; a node without one (not written by
+    latchkey's Owner) counts by its session. A try that does not wait deletes its node in
+    its next round trip, so it shows for that long at most."""
+    holding = {n.child for n in held}
+    processes: set[object] = set()
+    for node in nodes:
+        if node.expires > now and node.child not in holding:
+            owner = Owner.from_json(node.info)
+            key = (owner.host, owner.pid, owner.started) if owner.pid else node.stat.ephemeralOwner
+            processes.add(key)
+    return len(processes)
+
+
 class Held(NamedTuple):
     """A lease this store object holds: its node, and the node's last write if this object
     made it (``stat``: its mtime and version; ``sent``: the local monotonic time that write

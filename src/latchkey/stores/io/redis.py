@@ -52,6 +52,7 @@ from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
 from latchkey.stores.io import Driver, Steps, after_fork
+from latchkey.stores.io.redis_options import uses_tls
 from latchkey.stores.redis import Command, Subscribe
 
 if TYPE_CHECKING:
@@ -93,22 +94,28 @@ def ours_after(kwargs: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     }
 
 
+def tls_settings(store: Redis) -> dict[str, Any]:
+    """``ssl=True`` and certificates required (redis-py's default, said here) if the store's
+    scheme is a ``rediss`` one (``rediss://``, ``rediss+sentinel://``, ``rediss+cluster://``),
+    else nothing; the URL's TLS options (``ssl_ca_certs``…) come on top of these."""
+    if not uses_tls(store.url.scheme):
+        return {}
+    return {"ssl": True, "ssl_cert_reqs": "required"}
+
+
 def settings(store: Redis) -> dict[str, Any]:
     """The redis-py client arguments of a store (the sync and asyncio clients take the same):
     one host, the db number, AUTH, TLS, the store's timeout on every socket operation, RESP2
     (from Redis 5 on; pub/sub replies are plain arrays), and redis-py's own options the URL
     carries (:mod:`latchkey.stores.io.redis_options`: ``client_name``, ``ssl_ca_certs``…)."""
     url, config = store.url, store.config
-    tls: dict[str, Any] = {}
-    if url.scheme == "rediss":
-        tls = {"ssl": True, "ssl_cert_reqs": "required"}  # redis-py's default, said here
     return {
         "host": url.host or "localhost",
         "port": url.port or 6379,
         "db": store.db,
         "username": url.username,
         "password": url.password,
-        **tls,
+        **tls_settings(store),
         **config["driver"],
         "socket_timeout": config["timeout"],
         "socket_connect_timeout": config["timeout"],

@@ -29,7 +29,12 @@ A borrowed cluster client (``latchkey.connect(client=RedisCluster(…))``) is fo
 used: its startup nodes and AUTH make this driver's own cluster client and listener
 connections, with latchkey's timeout, RESP2 and decoded replies (the scripts' replies are
 parsed as text; the application's client may read bytes or speak RESP3), and :meth:`close`
-never closes it. Other settings of the application's client (TLS, say) are not carried over.
+never closes it. Its TLS settings are followed too (:func:`borrowed_tls`); its other
+settings are not carried over.
+
+TLS (``rediss+cluster://``): the cluster client connects to every node, startup nodes and
+those it learns of, over TLS with the URL's options, and so does each listener connection.
+A TLS node names the other nodes' TLS ports in its CLUSTER SLOTS reply.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from redis.retry import Retry
 
 from latchkey.stores.base import Waiter
 from latchkey.stores.io import Driver, after_fork
-from latchkey.stores.io.redis import Listener, PushWaiter
+from latchkey.stores.io.redis import Listener, PushWaiter, tls_settings
+from latchkey.stores.io.redis_options import uses_tls
 from latchkey.stores.redis import Command, Subscribe
 from latchkey.stores.redis_cluster import Batch, Masters, OnNode
 
@@ -65,16 +71,28 @@ ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def cluster_settings(store: RedisCluster) -> dict[str, Any]:
+def borrowed_tls(store: RedisCluster, client: Any) -> dict[str, Any]:
+    """The ``ssl_…`` settings of an application's cluster client (sync or asyncio) that uses
+    TLS (the store's scheme is then ``rediss+cluster``: see ``stores.clients``); {} for none."""
+    if client is None or not uses_tls(store.url.scheme):
+        return {}
+    kwargs = client.nodes_manager.connection_kwargs
+    return {k: v for k, v in kwargs.items() if k.startswith("ssl_") and v is not None}
+
+
+def cluster_settings(store: RedisCluster, client: Any = None) -> dict[str, Any]:
     """The arguments of redis-py's cluster clients (sync and asyncio) for a store: every node
-    of the URL as a startup node, AUTH, redis-py's options of the URL, the store's timeout,
-    RESP2, replies decoded."""
+    of the URL as a startup node, AUTH, TLS (``rediss+cluster://``: to every node), redis-py's
+    options of the URL, the store's timeout, RESP2, replies decoded. ``client``: a borrowed
+    cluster client, whose TLS settings are followed."""
     url, timeout = store.url, store.config["timeout"]
     return {
         "startup_nodes": [Node(host or "localhost", port or 6379) for host, port in url.hosts],
         "username": url.username,
         "password": url.password,
-        **store.config["driver"],  # redis-py's own options of the URL (client_name…)
+        **tls_settings(store),
+        **borrowed_tls(store, client),
+        **store.config["driver"],  # redis-py's own options of the URL (client_name, ssl_…)
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "decode_responses": True,
@@ -82,12 +100,15 @@ def cluster_settings(store: RedisCluster) -> dict[str, Any]:
     }
 
 
-def node_settings(store: RedisCluster) -> dict[str, Any]:
-    """A listener connection's settings (its node's host and port are added)."""
+def node_settings(store: RedisCluster, client: Any = None) -> dict[str, Any]:
+    """A listener connection's settings (its node's host and port are added); ``ssl``: made
+    an ``SSLConnection`` (:func:`connection_class`)."""
     url, timeout = store.url, store.config["timeout"]
     return {
         "username": url.username,
         "password": url.password,
+        **tls_settings(store),
+        **borrowed_tls(store, client),
         **store.config["driver"],
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -95,6 +116,12 @@ def node_settings(store: RedisCluster) -> dict[str, Any]:
         "protocol": 2,
         "retry": Retry(NoBackoff(), 0),
     }
+
+
+def connection_class(settings: dict[str, Any], plain: Any, tls: Any) -> Any:
+    """``tls`` (an SSLConnection class) if ``settings`` say ``ssl``, else ``plain``; the
+    ``ssl`` flag is taken out (a connection class does not take it)."""
+    return tls if settings.pop("ssl", False) else plain
 
 
 NoScript = redis.exceptions.NoScriptError
@@ -148,7 +175,7 @@ class ClusterDriver(Driver):
             with self._lock:
                 if self._client is None:
                     self._client = Client(
-                        **cluster_settings(self.store),
+                        **cluster_settings(self.store, self.backend.client),
                         retry=Retry(NoBackoff(), 0),  # a primitive never retries
                     )
                 client = self._client
@@ -247,7 +274,9 @@ class ClusterDriver(Driver):
             if current is None or current.error is not None:
                 if current is not None:
                     current.close()
-                conn = Connection(host=node.host, port=node.port, **node_settings(self.store))
+                kwargs = node_settings(self.store, self.backend.client)
+                cls = connection_class(kwargs, Connection, redis.SSLConnection)
+                conn = cls(host=node.host, port=node.port, **kwargs)
                 self._listeners[node.name] = current = ShardedListener(conn)
             return current
 

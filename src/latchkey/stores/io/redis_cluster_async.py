@@ -8,7 +8,8 @@ served (the client's own per-node pools fail at once when full instead of queuei
 waiters retrying together met MaxConnectionsError). The client reads the cluster's layout on
 first use (``initialize()``). Waiting: one sharded pub/sub listener per master
 (:class:`ShardedListener`: the plain asyncio driver's listener speaking SSUBSCRIBE), read by
-one task; a waiting coroutine holds no connection.
+one task; a waiting coroutine holds no connection. TLS (``rediss+cluster://``) as in the
+sync driver, to every node and listener.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io.aio import AsyncDriver
 from latchkey.stores.io.redis_async import POOL_SIZE, Listener, PushWaiter
 from latchkey.stores.io.redis_cluster import ERRORS as SYNC_ERRORS
-from latchkey.stores.io.redis_cluster import cluster_settings, node_settings, scan_reply
+from latchkey.stores.io.redis_cluster import (
+    cluster_settings,
+    connection_class,
+    node_settings,
+    scan_reply,
+)
 from latchkey.stores.redis import Command, Subscribe
 from latchkey.stores.redis_cluster import Batch, Masters, OnNode
 
@@ -43,6 +49,10 @@ else:  # redis-py itself depends on async-timeout before Python 3.11.3
     from async_timeout import timeout as _deadline  # type: ignore[import-not-found,unused-ignore]
 
 Client: Any = redis.asyncio.cluster.RedisCluster  # untyped in parts: used as Any
+#: TLS options of the URL that the asyncio cluster client does not take as arguments (its
+#: sync twin does): given to its nodes' connection settings once it is made, as redis-py
+#: itself adds settings there later (its maintenance notifications).
+NOT_TAKEN = ("ssl_password", "ssl_ca_path")
 # asyncio.TimeoutError is TimeoutError (an OSError) from Python 3.11 on, a class of its own before
 ERRORS: tuple[type[BaseException], ...] = (*SYNC_ERRORS, asyncio.TimeoutError)
 
@@ -64,13 +74,25 @@ class AsyncClusterDriver(AsyncDriver):
     def __init__(self, backend: BackendBase, store: RedisCluster) -> None:
         super().__init__(backend, store)
         self.timeout = backend.timeout
-        settings = cluster_settings(store)  # the sync client's, with asyncio's nodes
+        settings = cluster_settings(store, backend.client)  # the sync client's, asyncio's nodes
         node = redis.asyncio.cluster.ClusterNode
         settings["startup_nodes"] = [node(n.host, n.port) for n in settings["startup_nodes"]]
+        untaken = {k: settings.pop(k) for k in NOT_TAKEN if k in settings}
         never = Retry(NoBackoff(), 0)  # a primitive never retries: the core decides
         self.client: Any = Client(**settings, retry=never)
+        if untaken:  # to every node's connections, those of the nodes it will learn of too
+            self.client.get_connection_kwargs().update(untaken)
+            for start in self.client.startup_nodes:
+                start.connection_kwargs.update(untaken)
         # A listener waits for news as long as it takes.
-        self.listener_settings = {**node_settings(store), "socket_timeout": None, "retry": never}
+        self.listener_settings = {
+            **node_settings(store, backend.client),
+            "socket_timeout": None,
+            "retry": never,
+        }
+        self.listener_class = connection_class(
+            self.listener_settings, redis.asyncio.Connection, redis.asyncio.SSLConnection
+        )
         self._turns = asyncio.Semaphore(POOL_SIZE)  # requests in flight; first come first served
         self._listeners: dict[str, Listener] = {}
         self._listener_lock = asyncio.Lock()
@@ -153,9 +175,7 @@ class AsyncClusterDriver(AsyncDriver):
                 if current is not None:
                     await current.close()
                 self._listeners.pop(node.name, None)
-                conn = redis.asyncio.Connection(
-                    host=node.host, port=node.port, **self.listener_settings
-                )
+                conn = self.listener_class(host=node.host, port=node.port, **self.listener_settings)
                 current = ShardedListener(conn, self.timeout)
                 await current.start()
                 self._listeners[node.name] = current

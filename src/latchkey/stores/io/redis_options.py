@@ -1,6 +1,7 @@
-"""redis-py's own connection options in a ``redis://``, ``rediss://``, ``redis+sentinel://`` or
-``redis+cluster://`` URL: which pass through to redis-py, how each value reads, and which
-are refused and why.
+"""redis-py's own connection options in a ``redis://``, ``redis+sentinel://`` or
+``redis+cluster://`` URL and their TLS twins (``rediss://``, ``rediss+sentinel://``,
+``rediss+cluster://``): which pass through to redis-py, how each value reads, and which are
+refused and why.
 
 redis-py's ``from_url`` passes any query parameter to its connections, typed by its own
 table (``redis.connection.URL_QUERY_ARGUMENT_PARSERS``) or as text. latchkey passes the ones
@@ -29,8 +30,8 @@ from latchkey._url import DriverOptions, boolean
 @dataclass(frozen=True)
 class Passed:
     """One option passed to redis-py: how its text reads, what it does, and where it applies
-    (``tls``: only over TLS, ``rediss://``; ``cluster``: also on ``redis+cluster://``, whose
-    client takes it)."""
+    (``tls``: only over TLS, a ``rediss`` scheme; ``cluster``: also on a cluster, whose client
+    takes it)."""
 
     parse: Callable[[str], Any]
     help: str
@@ -142,7 +143,7 @@ REFUSED: dict[str, str] = {
     "port": "it is the URL's port",
     "username": "it is the URL's user part (redis://user:password@host)",
     "password": "it is the URL's password part (redis://user:password@host)",
-    "ssl": "use the rediss:// scheme for TLS",
+    "ssl": "use the rediss:// scheme for TLS (rediss+sentinel://, rediss+cluster://)",
     "ssl_validate_ocsp": "OCSP checking is not supported by latchkey's Redis store",
     "ssl_validate_ocsp_stapled": "OCSP checking is not supported by latchkey's Redis store",
     "ssl_ocsp_expected_cert": "OCSP checking is not supported by latchkey's Redis store",
@@ -158,27 +159,43 @@ def _checker(cluster: bool) -> Callable[[str, str], Any]:
             raise KeyError(key)
         if cluster and not option.cluster:
             raise ValueError("not accepted on a cluster: redis-py's cluster client drops it")
-        if cluster and option.tls:
-            raise ValueError("TLS options need rediss://; redis+cluster:// connects without TLS")
         return option.parse(text)
 
     return check
 
 
 def _listed(cluster: bool) -> str:
-    names = [k for k, o in PASSED.items() if not cluster or (o.cluster and not o.tls)]
+    names = [k for k, o in PASSED.items() if not cluster or o.cluster]
     return "redis-py's " + ", ".join(sorted(names)) + " (docs/reference/urls.md)"
 
 
-#: The driver options of ``redis://``, ``rediss://`` and ``redis+sentinel://`` (the TLS ones
-#: only with ``rediss://``: :func:`tls_misused`).
+#: The driver options of ``redis://``, ``redis+sentinel://`` and their TLS twins (the TLS
+#: ones only with TLS: :func:`tls_misused`).
 REDIS_OPTIONS = DriverOptions(_checker(cluster=False), _listed(cluster=False))
-#: The driver options of ``redis+cluster://``.
+#: The driver options of ``redis+cluster://`` and ``rediss+cluster://``.
 CLUSTER_OPTIONS = DriverOptions(_checker(cluster=True), _listed(cluster=True))
 
 
+def uses_tls(scheme: str) -> bool:
+    """Whether a URL of ``scheme`` connects over TLS: ``rediss``, ``rediss+sentinel``,
+    ``rediss+cluster`` (redis-py's ``rediss://``, with the deployment after the ``+``)."""
+    return scheme.partition("+")[0] == "rediss"
+
+
+def tls_scheme(scheme: str) -> str:
+    """The TLS twin of a Redis scheme: ``redis+sentinel`` → ``rediss+sentinel``."""
+    kind, plus, deployment = scheme.partition("+")
+    return f"rediss{plus}{deployment}" if kind == "redis" else scheme
+
+
 def tls_misused(scheme: str, passed: dict[str, Any]) -> str | None:
-    """The first TLS option among ``passed`` if ``scheme`` is not ``rediss``, else None."""
-    if scheme == "rediss":
+    """The first TLS option among ``passed`` if ``scheme`` has no TLS, else None."""
+    if uses_tls(scheme):
         return None
     return next((k for k in passed if k in PASSED and PASSED[k].tls), None)
+
+
+def tls_options(passed: dict[str, Any]) -> dict[str, Any]:
+    """The TLS options among ``passed`` (a Sentinel's connections to the sentinels take
+    these, and not the others)."""
+    return {k: v for k, v in passed.items() if k in PASSED and PASSED[k].tls}

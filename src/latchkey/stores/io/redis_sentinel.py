@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelManagedConnection
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection
 
-from latchkey.stores.io.redis import RedisDriver, ours_after, settings
+from latchkey.stores.io.redis import RedisDriver, ours_after, settings, tls_settings
+from latchkey.stores.io.redis_options import tls_options
 
 if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
@@ -40,10 +41,17 @@ def sentinel_settings(
     store: RedisSentinel,
 ) -> tuple[list[tuple[str, int]], dict[str, Any], dict[str, Any]]:
     """The sentinels' addresses, the arguments of a connection to a sentinel, and those of a
-    connection to the master (the plain store's settings without host and port)."""
+    connection to the master (the plain store's settings without host and port). Over TLS
+    (``rediss+sentinel://``) both kinds of connection use it, with the URL's TLS options
+    (``ssl_ca_certs``, ``ssl_certfile``…); the sentinels get no other redis-py option."""
     url, timeout = store.url, store.config["timeout"]
     sentinels = [(host or "localhost", port or SENTINEL_PORT) for host, port in url.hosts]
-    to_sentinel: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    to_sentinel: dict[str, Any] = {
+        **tls_settings(store),  # rediss+sentinel://: the sentinels over TLS too, same options
+        **tls_options(store.config["driver"]),
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
     if store.config["sentinel_auth"]:  # not a URL option of its own: it would show in the URL
         to_sentinel.update(username=url.username, password=url.password)
     to_master = {k: v for k, v in settings(store).items() if k not in ("host", "port")}
@@ -82,7 +90,40 @@ def sentinel_args(
     return sentinel_store, *followed_settings(client, sentinel_store), client.min_other_sentinels
 
 
-SENTINEL: Any = Sentinel  # untyped in redis-py
+def sentinel_error(sentinel: Any, exc: BaseException) -> str:
+    """Why one sentinel could not be asked: its address and the error's own message."""
+    kwargs = sentinel.connection_pool.connection_kwargs
+    return f"sentinel {kwargs.get('host')}:{kwargs.get('port')}: {exc}"
+
+
+def no_master(service: str, errors: list[str]) -> MasterNotFoundError:
+    """The error when no sentinel names a master for ``service``, with each one's reason."""
+    return MasterNotFoundError(
+        f"no sentinel named a master for {service!r}" + (": " + "; ".join(errors) if errors else "")
+    )
+
+
+class Sentinels(Sentinel):  # type: ignore[misc,unused-ignore]  # untyped in redis-py
+    """redis-py's Sentinel, whose MasterNotFoundError says why each sentinel failed: redis-py
+    (8.x) shows only each error's kind (``network:ConnectionError``) after a repr of the
+    sentinel's client, which hid a certificate refused by TLS or a connection refused."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        errors = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                masters: Any = sentinel.sentinel_masters()  # service -> state
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                errors.append(sentinel_error(sentinel, exc))
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first
+                return state["ip"], state["port"]
+        raise no_master(service_name, errors)
+
+
+SENTINEL: Any = Sentinels
 
 
 class MasterConnection(SentinelManagedConnection):
@@ -101,6 +142,17 @@ class MasterConnection(SentinelManagedConnection):
         super().connect_check_health(check_health, retry_socket_connect)
 
 
+class TLSMasterConnection(MasterConnection, redis.SSLConnection):
+    """:class:`MasterConnection` over TLS (``rediss+sentinel://``, or a borrowed Sentinel with
+    ``ssl=True``): redis-py's ``SentinelManagedSSLConnection``, finding the master as above."""
+
+
+def master_connection(to_master: dict[str, Any]) -> type:
+    """The class of the connections to the master: over TLS if ``to_master`` says ``ssl``
+    (redis-py's Sentinel pool drops that argument when it is given the class)."""
+    return TLSMasterConnection if to_master.get("ssl") else MasterConnection
+
+
 class SentinelDriver(RedisDriver):
     """The plain Redis driver on connections to the current master of a Sentinel service."""
 
@@ -115,7 +167,7 @@ class SentinelDriver(RedisDriver):
         client: Any = self.sentinel.master_for(
             sentinel_store.service,
             redis_class=redis.Redis,
-            connection_class=MasterConnection,
+            connection_class=master_connection(to_master),
             retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
         )
         return client  # type: ignore[no-any-return]

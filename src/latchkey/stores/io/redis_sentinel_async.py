@@ -18,13 +18,32 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from latchkey.stores.io.redis_async import ERRORS, AsyncRedisDriver
-from latchkey.stores.io.redis_sentinel import sentinel_args
+from latchkey.stores.io.redis_sentinel import no_master, sentinel_args, sentinel_error
 
 if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
 
 
-SENTINEL: Any = Sentinel  # untyped in redis-py
+class Sentinels(Sentinel):  # type: ignore[misc,unused-ignore]  # untyped in redis-py
+    """redis-py's asyncio Sentinel, whose MasterNotFoundError says why each sentinel failed
+    (see :class:`latchkey.stores.io.redis_sentinel.Sentinels`)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        errors = []
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                masters: Any = await sentinel.sentinel_masters()  # service -> state
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                errors.append(sentinel_error(sentinel, exc))
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first
+                return state["ip"], state["port"]
+        raise no_master(service_name, errors)
+
+
+SENTINEL: Any = Sentinels
 
 
 class MasterConnection(SentinelManagedConnection):
@@ -37,6 +56,10 @@ class MasterConnection(SentinelManagedConnection):
         if not self.is_connected and self.connection_pool.is_master:
             self.host, self.port = await self.connection_pool.get_master_address()
         await super().connect_check_health(check_health, retry_socket_connect)
+
+
+class TLSMasterConnection(MasterConnection, redis.asyncio.SSLConnection):
+    """:class:`MasterConnection` over TLS (see the sync driver's)."""
 
 
 class AsyncSentinelDriver(AsyncRedisDriver):
@@ -54,7 +77,7 @@ class AsyncSentinelDriver(AsyncRedisDriver):
         client: Any = self.sentinel.master_for(
             sentinel_store.service,
             redis_class=redis.asyncio.Redis,
-            connection_class=MasterConnection,
+            connection_class=TLSMasterConnection if to_master.get("ssl") else MasterConnection,
             retry=Retry(NoBackoff(), 0),  # a primitive never retries: the core decides
         )
         return client  # type: ignore[no-any-return]
