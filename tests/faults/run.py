@@ -48,7 +48,7 @@ SERVER_OF = {
 }  # fmt: skip
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
-#: runs freeze them but do not restart them; scripts/chaos --restarts does.
+#: runs freeze them but do not restart them; ``scripts/chaos --restarts`` does.
 SLOW_RESTART = ("mongodb",)
 SERVER = ("freeze", "restart", "kill")
 #: A server restarted by a fault has run at least this long (s): memcached's fencing tokens
@@ -85,6 +85,7 @@ def run(
     timeout: float = 2.0,
     clock_offsets: tuple[float, ...] = (0.0, 3.0, -3.0),
     workdir: Path | None = None,
+    slow_restarts: bool = False,
 ) -> Outcome:
     rng = random.Random(seed)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
@@ -110,7 +111,9 @@ def run(
         url = servers.with_query(url, timeout=f"{timeout}s")
         allowed = NETWORK + CLIENT
         if server is not None:
-            restarts = server.restart_cmd is not None and kind not in SLOW_RESTART
+            restarts = server.restart_cmd is not None and (
+                slow_restarts or kind not in SLOW_RESTART
+            )
             allowed += SERVER if restarts else ("freeze",)
     if faults is not None:
         allowed = tuple(f for f in allowed if f in faults)
@@ -289,8 +292,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--restarts", action="store_true",
+        help=f"restart and kill the slow servers too ({', '.join(SLOW_RESTART)})",
+    )
     args = parser.parse_args()
-    outcome = run(args.store, args.minutes * 60, workers=args.workers, seed=args.seed)
+    outcome = run(
+        args.store, args.minutes * 60, workers=args.workers, seed=args.seed,
+        slow_restarts=args.restarts,
+    )
     summary = outcome.summary()
     if args.json:
         print(json.dumps(summary))
