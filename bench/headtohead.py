@@ -29,7 +29,7 @@ from tests.servers import SERVERS, load_all  # noqa: E402
 SERVER = {
     "redis": "redis", "memcached": "memcached", "postgresql": "postgresql",
     "postgresql+advisory": "postgresql", "mysql": "mysql", "mysql+getlock": "mysql",
-    "mongodb": "mongodb", "sqlite": None,
+    "mongodb": "mongodb", "sqlite": None, "etcd": "etcd", "zookeeper": "zookeeper",
 }  # fmt: skip
 
 WORKER = """

@@ -263,7 +263,8 @@ def test_a_woken_waiter_reads_and_writes_only_when_the_holder_may_have_run_out(
         if holder_ttl < 30:
             eventually(lambda: backend.now() > holder.expires_at, what="the holder ran out")
         before = _zxid(zk_url)
-        ahead.close()  # gives up: its node goes
+        ahead.finish(Busy(0))  # gives up (its wait ran out): its node goes
+        ahead.close()
         assert waiter.wait(10)
         answer = backend.acquire("w", owner, INFO, 30.0, 1)
         if holder_ttl == 30:
@@ -399,3 +400,106 @@ def _kazoo(zk_url: str) -> Iterator[KazooClient]:
     finally:
         client.stop()
         client.close()
+def test_a_wait_cut_off_by_the_network_fails_within_its_wait_and_timeout(
+    zk_url: str, api: str
+) -> None:
+    """A waiter in line whose network goes black (a proxy stops forwarding, nothing is reset)
+    just before the holder's lease runs out (the waiter must then ask the server) gets
+    StoreUnavailable within its wait + the timeout + 1 s: leaving the line after the error is
+    the core's background give-back, not one more request the caller waits out (it took
+    wait + two timeouts: the chaos run's slow-call rule found it). Once the network heals,
+    the node the waiter left in line is gone: the name is free, not blocked behind the failed
+    waiter for its 60 s TTL."""
+    import asyncio
+    import threading
+    from urllib.parse import urlsplit
+
+    from latchkey import StoreUnavailable
+    from tests.faults.proxy import Proxy
+
+    timeout, wait = 2.0, 1.5
+    port = urlsplit(zk_url).port
+    assert port is not None
+    proxy = Proxy("127.0.0.1", port)
+    via = zk_url.replace(f":{port}", f":{proxy.port}", 1) + f"&timeout={timeout:g}s"
+    holder = latchkey.connect(zk_url)
+    lock = holder.lock("n", ttl="0.8s")
+    other = latchkey.connect(zk_url)
+
+    def heal(took: float) -> None:
+        proxy.reset()
+        proxy.heal()
+        assert took < wait + timeout + 1.0, f"{took:.2f}s to report the cut-off network"
+
+    def free() -> bool:
+        return other.lock("n", ttl="1s", wait=0).acquire()
+
+    try:
+        assert lock.acquire()
+        if api == "sync":
+            waiter = latchkey.connect(via)
+            assert waiter.lock("warm", ttl="1s", wait=0).acquire()  # the session is up
+            threading.Timer(0.2, proxy.set, ("blackhole",)).start()  # while it waits in line
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                waiter.lock("n", ttl="60s", wait=wait).acquire()
+            heal(time.monotonic() - started)
+            # The waiter's session lives on (closing it would end its nodes anyway).
+            eventually(free, timeout=10, what="the failed waiter's node given back")
+            waiter.close()
+        else:
+
+            async def cut_off() -> None:
+                async with latchkey.connect_async(via) as waiter:
+                    assert await waiter.lock("warm", ttl="1s", wait=0).acquire()
+                    threading.Timer(0.2, proxy.set, ("blackhole",)).start()
+                    started = time.monotonic()
+                    with pytest.raises(StoreUnavailable):
+                        await waiter.lock("n", ttl="60s", wait=wait).acquire()
+                    heal(time.monotonic() - started)
+                    deadline = time.monotonic() + 10
+                    while not free():  # the give-back is a task of this loop: keep it running
+                        assert time.monotonic() < deadline, "the failed waiter's node stayed"
+                        await asyncio.sleep(0.05)
+
+            asyncio.run(cut_off())
+    finally:
+        proxy.close()
+        other.close()
+        holder.close()
+
+
+def test_a_primitive_of_several_round_trips_keeps_to_one_timeout(zk_url: str) -> None:
+    """``timeout`` bounds a whole call, however many round trips its primitive makes: on a
+    slow network (each round trip ~0.4 s through a proxy, the timeout 1 s), purge_expired —
+    four round trips — fails with StoreUnavailable within the timeout and a little, not
+    answer after four round trips' time (each round trip had a timeout of its own: a release took
+    two in the chaos run)."""
+    from urllib.parse import urlsplit
+
+    from latchkey import StoreUnavailable
+    from tests.faults.proxy import Proxy
+
+    timeout = 1.0
+    port = urlsplit(zk_url).port
+    assert port is not None
+    direct = latchkey.connect(zk_url)
+    for name in ("a", "b"):
+        assert direct.lock(name, ttl="0.2s").acquire()  # left to run out: purge deletes them
+    proxy = Proxy("127.0.0.1", port)
+    slow = latchkey.connect(
+        zk_url.replace(f":{port}", f":{proxy.port}", 1) + f"&timeout={timeout:g}s"
+    )
+    try:
+        slow.inspect("a")  # the session is up, before the latency
+        proxy.set("pass", latency=0.2)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            slow.purge_expired()
+        took = time.monotonic() - started
+        assert took < timeout + 0.5, f"{took:.2f}s for a call with a {timeout:g}s timeout"
+    finally:
+        proxy.heal()
+        slow.close()
+        proxy.close()
+        direct.close()

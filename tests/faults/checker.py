@@ -106,6 +106,7 @@ def check(
     kill_bound: float | None = None,
     cuts: tuple[str, ...] = (),
     records_cut: bool = False,
+    losses: tuple[str, ...] = (),
     ttl_bounded: bool = True,
 ) -> Report:
     """``cuts``: the kinds of fault that may end every lease at once, by the store's own
@@ -114,15 +115,25 @@ def check(
     fault began, and its holder's later steps and writes are not held against the store
     (it cannot know before its next renewal: the documented limit of those stores).
     ``records_cut``: such a fault also forgets the records (only updates after the last one
-    are counted). ``ttl_bounded``: False for session-tied locks, which last until released
-    (or their session ends), not for a TTL."""
+    are counted). ``losses``: the kinds of fault that may lose the latest writes without
+    forgetting the rest — a failover to a replica of asynchronous replication: leases as
+    for ``cuts``; a record update that overlaps such a fault may or may not have survived
+    it (counted as unknown), one that returned before it began is counted as sure (the
+    master sent it to its replica before it answered: Redis queues a write for its replicas
+    before its reply, and a killed process's socket still delivers what it had sent).
+    ``ttl_bounded``: False for session-tied locks, which last until released (or their
+    session ends), not for a TTL."""
     report = Report()
     # A cut is a window: the store may lose its leases at any moment from the fault's start
     # until its end (a server told to stop goes on serving until it gets round to stopping:
     # Redis shuts down from its next cron tick, up to 100 ms after SIGTERM).
     windows = sorted(
-        (f.start, f.start if f.end is None else f.end) for f in history.faults if f.kind in cuts
+        (f.start, f.start if f.end is None else f.end)
+        for f in history.faults
+        if f.kind in cuts or f.kind in losses
     )
+    wipes = [(f.start, f.end or f.start) for f in history.faults if f.kind in cuts]
+    lossy = [(f.start, f.end or f.start) for f in history.faults if f.kind in losses]
     for fault in history.faults:
         report.faults[fault.kind] = report.faults.get(fault.kind, 0) + 1
     ops = sorted(history.ops, key=lambda op: op.inv)
@@ -181,14 +192,19 @@ def check(
                 f"{write.new} over a value it had not read (it read {write.prev})"
             )
     # Records forgotten by a cut: count the updates after the last window opened; those that
-    # began before it closed may or may not have survived it (counted as unknown).
-    last = windows[-1] if records_cut and windows else (float("-inf"), float("-inf"))
+    # began before it closed may or may not have survived it (counted as unknown), as may
+    # those that overlap a loss (see ``losses``).
+    last = max(wipes) if records_cut and wipes else (float("-inf"), float("-inf"))
     for name in records:
         updates = [
             op for op in ops
             if op.kind == "update" and op.name == name and (op.ret or op.inv) > last[0]
         ]  # fmt: skip
-        sure = [op for op in updates if op.inv > last[1]]
+        sure = [
+            op for op in updates
+            if op.inv > last[1]
+            and not any(op.inv < end and (op.ret or end) > start for start, end in lossy)
+        ]  # fmt: skip
         done = sum(1 for op in sure if _ok(op))
         unknown = len(updates) - done
         value = record_values.get(name, 0)

@@ -12,7 +12,20 @@ healed):
 - server: ``freeze`` (SIGSTOP … SIGCONT), ``restart`` (SIGTERM, start again on the same
   data), ``kill`` (SIGKILL, start again);
 - client: ``worker-stop`` (SIGSTOP a worker past its leases' TTL, then SIGCONT),
-  ``worker-kill`` (SIGKILL a worker, start a new one in its place).
+  ``worker-kill`` (SIGKILL a worker, start a new one in its place);
+- ``failover`` (Redis Sentinel and Redis Cluster, started with a replica per master): the
+  master moves to its replica — ``kill`` (SIGKILL the master; the sentinel or the cluster
+  promotes the replica; the old master is started again, empty, as the new one's replica)
+  or ``command`` (``SENTINEL FAILOVER``) — held until the old master replicates from the
+  new one. Replication is asynchronous, so the checker treats it as a loss window
+  (``losses``: leases granted before it closes may be lost, record updates that overlap it
+  are unknown).
+
+Which faults reach which store: the network faults go through the proxy in front of the
+URL's address, so they apply only to stores whose clients talk to that address. A Sentinel
+client asks the sentinel for the master's address and connects there; a Cluster client reads
+the nodes' addresses from the node it was given: the proxy would cut their discovery only,
+never a lease's request, so those two run without it (server, failover and client faults).
 
 Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``.
 """
@@ -29,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,13 +53,21 @@ from tests import servers
 from tests.faults.checker import Report, check
 from tests.faults.history import Recorder
 from tests.faults.proxy import Proxy
+from tests.servers import redis_cluster, redis_sentinel
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_OF = {
     "sqlite": None, "postgresql": "postgresql", "postgresql+advisory": "postgresql",
     "mysql": "mysql", "mysql+getlock": "mysql", "redis": "redis", "memcached": "memcached",
-    "mongodb": "mongodb", "etcd": "etcd",
+    "mongodb": "mongodb", "etcd": "etcd", "zookeeper": "zookeeper",
+    "redis+sentinel": "redis_sentinel", "redis+cluster": "redis_cluster",
 }  # fmt: skip
+#: How each setup with failovers is started for a chaos run (a replica per master) and the
+#: failovers it can be put through.
+FAILOVERS: dict[str, tuple[Callable[[Path], Any], tuple[str, ...]]] = {
+    "redis_sentinel": (lambda d: redis_sentinel.start_setup(d), ("kill", "command")),
+    "redis_cluster": (lambda d: redis_cluster.start_cluster(d, replicas=1), ("kill",)),
+}
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
 #: runs freeze them but do not restart them; ``scripts/chaos --restarts`` does.
@@ -86,7 +108,10 @@ def run(
     clock_offsets: tuple[float, ...] = (0.0, 3.0, -3.0),
     workdir: Path | None = None,
     slow_restarts: bool = False,
+    failovers: tuple[str, ...] | None = None,
 ) -> Outcome:
+    """``failovers``: how a ``failover`` fault moves the master (see FAILOVERS; None: every
+    way the setup knows, chosen at random each time)."""
     rng = random.Random(seed)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     kind = SERVER_OF[store]
@@ -101,20 +126,28 @@ def run(
         if given:  # an existing server: the network and clients are broken, never the server
             base_url, port = given, urlsplit(given).port or 0
         else:
-            server = servers.SERVERS[kind].start(tmp / kind)
+            starts = FAILOVERS[kind][0] if kind in FAILOVERS else servers.SERVERS[kind].start
+            server = starts(tmp / kind)
             base_url, port = server.url, server.port
-        proxy = Proxy("127.0.0.1", port)
         base = servers.replace_scheme(base_url, store) if store != kind else base_url
-        netloc = urlsplit(base).netloc
-        host_port = netloc.rsplit("@", 1)[-1]
-        url = base.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
-        url = servers.with_query(url, timeout=f"{timeout}s")
-        allowed = NETWORK + CLIENT
+        url = servers.with_query(base, timeout=f"{timeout}s")
+        allowed = CLIENT
+        if not any(row.id == store and row.discovers for row in servers.ROWS):
+            proxy = Proxy("127.0.0.1", port)
+            host_port = urlsplit(base).netloc.rsplit("@", 1)[-1]
+            url = url.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
+            allowed += NETWORK
         if server is not None:
             restarts = server.restart_cmd is not None and (
                 slow_restarts or kind not in SLOW_RESTART
             )
             allowed += SERVER if restarts else ("freeze",)
+            if kind in FAILOVERS:
+                allowed += ("failover",)
+                ways = FAILOVERS[kind][1]
+                server.extra["failovers"] = tuple(
+                    w for w in ways if failovers is None or w in failovers
+                ) or ways[:1]
     if faults is not None:
         allowed = tuple(f for f in allowed if f in faults)
     caps = latchkey.connect(url).capabilities
@@ -158,7 +191,7 @@ def run(
             if not schedule:  # every kind once per round, in a random order
                 schedule = rng.sample(allowed, len(allowed))
             fault = schedule.pop()
-            _inject(fault, rng, recorder, proxy, server, procs, ttl)
+            _inject(fault, rng, recorder, proxy, server, procs, ttl, names)
             if fault == "worker-kill":
                 spawn(next_worker, seconds + 60)
                 next_worker += 1
@@ -198,6 +231,7 @@ def run(
         kill_bound=timeout + 2.0,
         cuts=_cuts(caps),
         records_cut=not caps.durable,
+        losses=("failover",),
         ttl_bounded=caps.ttl,
     )
     return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
@@ -211,6 +245,7 @@ def _inject(
     server: servers.RunningServer | None,
     procs: dict[int, subprocess.Popen[bytes]],
     ttl: float,
+    names: list[str],
 ) -> None:
     hold = rng.uniform(1.0, 2.0)
     live = [w for w, p in procs.items() if p.poll() is None]
@@ -221,8 +256,22 @@ def _inject(
         # Before the fault is recorded: the checker ends the leases a restart loses at the
         # fault's start, so nothing may be granted between that and the restart itself.
         time.sleep(max(0.0, started + MIN_LIFE - time.monotonic()))
+    if fault == "failover" and server is not None:
+        # Before the fault is recorded, as above: the replica known and in sync (the
+        # sentinel learns of a restarted one from the master's INFO, within ~10 s).
+        ready = time.monotonic() + 60
+        while not server.replica_ready() and time.monotonic() < ready:  # type: ignore[attr-defined]
+            time.sleep(0.05)
     record = recorder.fault(fault)
-    if fault == "latency" and proxy is not None:
+    if fault == "failover" and server is not None:
+        how = rng.choice(server.extra["failovers"])  # type: ignore[arg-type]
+        record.detail = str(how)
+        key = "{" + rng.choice(names).encode().hex() + "}"  # the slot of a hot name
+        if isinstance(server, redis_cluster.RunningCluster):
+            server.failover(how, key)
+        else:
+            server.failover(how)  # type: ignore[attr-defined]
+    elif fault == "latency" and proxy is not None:
         proxy.set("pass", latency=0.05)
         time.sleep(hold)
         proxy.heal()
@@ -236,6 +285,15 @@ def _inject(
     elif fault == "freeze" and server is not None:
         with server.frozen():  # the server and its children: PostgreSQL's sessions too
             time.sleep(hold)
+        settle = getattr(server, "settle", None)
+        if settle is not None and settle():
+            # Thawed, the sentinel found the master silent past its down-after time and
+            # failed over by itself (a split brain until the old master is turned into a
+            # replica): a failover as far as the checker is concerned.
+            record.detail = "failed over when thawed"
+            extra = recorder.fault("failover", detail="by the setup itself, after a freeze")
+            extra.start = record.start
+            recorder.healed(extra)
     elif fault in ("restart", "kill") and server is not None:
         if fault == "kill":  # the server and its children, as when its machine dies
             tree = server.processes()

@@ -11,6 +11,7 @@ import contextlib
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.servers import (
@@ -39,6 +40,34 @@ def ping(port: int, password: str | None = None, timeout: float = 0.5) -> bool:
         s.sendall(b"PING\r\n")
         return s.recv(64).startswith(b"+PONG")
     return False
+
+
+def command(port: int, *args: str, timeout: float = 2.0) -> str:
+    """Send one command (RESP) to 127.0.0.1:``port``; its raw reply ('' if none): for the
+    failover helpers of the Sentinel and Cluster setups."""
+    with (
+        contextlib.suppress(OSError),
+        socket.create_connection(("127.0.0.1", port), timeout=timeout) as s,
+    ):
+        wire = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+        s.sendall(wire.encode())
+        chunks: list[bytes] = []
+        while not (chunks and chunks[-1].endswith(b"\r\n")):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    return ""
+
+
+def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait until ``condition()``; ServerUnavailable naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise ServerUnavailable(f"{what}: not after {timeout}s")
+        time.sleep(0.02)
 
 
 def wait_ping(port: int, password: str | None = None, timeout: float = 30.0) -> None:

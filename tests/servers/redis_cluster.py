@@ -32,7 +32,7 @@ from tests.servers import (
     wait_port_closed,
     with_query,
 )
-from tests.servers.redis import make_certificates, wait_ping
+from tests.servers.redis import command, make_certificates, until, wait_ping
 
 MASTERS = 3
 
@@ -120,6 +120,36 @@ class RunningCluster(RunningServer):
     def processes(self) -> list[int]:
         return list(self._nodes().values())
 
+    def replica_ready(self) -> bool:
+        """Every master has a replica whose link is up: a failover can promote one."""
+        return _replicas_linked(list(self._nodes())) >= len(self._nodes()) // 2
+
+    def failover(self, how: str, key: str = "") -> None:
+        """``kill``: SIGKILL the master of ``key``'s slot, as when its machine dies; the
+        cluster promotes its replica (``cluster-node-timeout``, then an election). Returns
+        once the slot is served again and the killed node, started again (empty, with its
+        nodes-PORT.conf), replicates from the promoted one, its link up. Call when
+        :meth:`replica_ready` (a cluster made with replicas)."""
+        if how != "kill":
+            raise ValueError(f"failover how? {how!r}")
+        nodes = self._nodes()
+        slot = int(command(next(iter(nodes)), "CLUSTER", "KEYSLOT", key).strip(":\r\n"))
+        victim = _master_of_slot(list(nodes), slot)
+        if victim is None:
+            raise ServerUnavailable(f"no master serves slot {slot}")
+        self.kill(victim)
+        others = [p for p in nodes if p != victim]
+        until(
+            lambda: _master_of_slot(others, slot) not in (None, victim)
+            and all(cluster_ok(p) for p in others),
+            60,
+            f"the cluster promotes a replica for slot {slot}",
+        )
+        nodes[victim] = start_node(self.workdir, victim)
+        if self.port == victim:
+            self.pid = nodes[victim]
+        until(lambda: _replicas_linked([victim]) == 1, 60, "the old master replicates again")
+
     def kill(self, port: int) -> None:
         """SIGKILL the node on ``port`` and wait until its port is closed."""
         with contextlib.suppress(ProcessLookupError):
@@ -137,6 +167,34 @@ def tls_arguments(files: dict[str, Path], tls_port: int) -> list[str]:
         "--tls-key-file", str(files["server.key"]), "--tls-ca-cert-file", str(files["ca.pem"]),
         "--tls-auth-clients", "yes", "--tls-cluster", "yes", "--tls-replication", "yes",
     ]  # fmt: skip
+
+
+def _master_of_slot(ports: list[int], slot: int) -> int | None:
+    """The port of the master serving ``slot``, as the first of ``ports`` that answers says
+    (CLUSTER NODES: "id addr flags master ping pong epoch link slots…")."""
+    for port in ports:
+        reply = command(port, "CLUSTER", "NODES")
+        if not reply:
+            continue
+        for line in reply.splitlines():
+            fields = line.split()
+            if len(fields) < 9 or "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            for part in fields[8:]:
+                low, _, high = part.partition("-")
+                if low.isdigit() and int(low) <= slot <= int(high or low):
+                    return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+        return None
+    return None
+
+
+def _replicas_linked(ports: list[int]) -> int:
+    """How many of the nodes on ``ports`` are replicas with their link to the master up."""
+    count = 0
+    for port in ports:
+        info = command(port, "INFO", "replication")
+        count += "role:slave" in info and "master_link_status:up" in info
+    return count
 
 
 def start_cluster(

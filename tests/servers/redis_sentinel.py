@@ -32,7 +32,7 @@ from tests.servers import (
     wait_port_closed,
     with_query,
 )
-from tests.servers.redis import make_certificates, wait_ping
+from tests.servers.redis import command, make_certificates, until, wait_ping
 
 SERVICE = "latchkey"
 
@@ -139,6 +139,73 @@ class RunningSetup(RunningServer):
 
     def processes(self) -> list[int]:
         return list(self._pids().values())
+
+    def replica_ready(self) -> bool:
+        """The sentinel lists the replica, its link to the master up: a failover can promote
+        it (the sentinel learns of a replica from the master's INFO, every few seconds)."""
+        return _replica_known(self._ports()["sentinel"])
+
+    def failover(self, how: str) -> None:
+        """Make the replica the master, as a Sentinel deployment does when its master fails:
+        ``kill`` SIGKILLs the master (the sentinel promotes the replica after its
+        ``down-after-milliseconds``; the old master is started again, empty, as the new one's
+        replica) or ``command`` asks the sentinel (``SENTINEL FAILOVER``: it promotes the
+        replica, then turns the old master into its replica). Returns once the sentinel names
+        the new master and the old one replicates from it, its link up; the roles in
+        ``extra`` are swapped. Call when :meth:`replica_ready`."""
+        ports = self._ports()
+        new = ports["replica"]
+        if how == "kill":
+            self.kill("master")
+        elif how == "command":
+            command(ports["sentinel"], "SENTINEL", "FAILOVER", SERVICE)
+        else:
+            raise ValueError(f"failover how? {how!r}")
+        until(lambda: master_of(ports["sentinel"]) == new, 60, "the sentinel names the replica")
+        self._follow(restart=how == "kill")
+
+    def settle(self, quiet: float = 1.5) -> bool:
+        """After a freeze of the whole setup: whether the sentinel failed over by itself —
+        thawed, it can find the master silent for longer than ``down-after-milliseconds``
+        and promote the replica, the old master (not down) serving on as a master until the
+        sentinel turns it into a replica. If it did, returns once that is done (the roles in
+        ``extra`` swapped), as :meth:`failover` does; else once nothing has happened for
+        ``quiet`` seconds."""
+        ports = self._ports()
+        sentinel, quiet_until = ports["sentinel"], time.monotonic() + quiet
+        while time.monotonic() < quiet_until:
+            named = master_of(sentinel)
+            if named is not None and named != ports["master"]:
+                self._follow(restart=False)
+                return True
+            if "failover_in_progress" in command(sentinel, "SENTINEL", "MASTER", SERVICE):
+                quiet_until = time.monotonic() + quiet
+            time.sleep(0.02)
+        return False
+
+    def _follow(self, restart: bool) -> None:
+        """The sentinel names the replica as master: swap the roles; ``restart``: start the
+        killed old master again as the new one's replica; wait until it replicates."""
+        ports, pids, launch = self._ports(), self._pids(), self._launchers()
+        old, new = ports["master"], ports["replica"]
+        launch["master"] = _node(self.workdir, new)  # for start(): the roles as they now are
+        launch["replica"] = _node(self.workdir, old, "--replicaof", "127.0.0.1", str(new))
+        pids["master"], pids["replica"] = pids["replica"], pids["master"]
+        ports["master"], ports["replica"] = new, old
+        if restart:
+            pids["replica"] = launch["replica"]()
+        until(lambda: _linked(old, new), 60, "the old master replicates from the new one")
+
+
+def _linked(replica: int, master: int) -> bool:
+    """The node on ``replica`` replicates from ``master``, its link up."""
+    info = command(replica, "INFO", "replication")
+    return f"master_port:{master}\r" in info and "master_link_status:up" in info
+
+
+def _replica_known(sentinel: int) -> bool:
+    reply = command(sentinel, "SENTINEL", "REPLICAS", SERVICE)
+    return "master-link-status\r\n$2\r\nok" in reply and "s_down" not in reply
 
 
 def start_setup(workdir: Path, tls: bool = False) -> RunningSetup:

@@ -242,9 +242,17 @@ class Line:
             name, owner, entry.info, entry.path, new, children, ttl, limit, entry
         ))  # fmt: skip
 
-    def leave_line(self, name: str, owner: str, granted: bool) -> Steps[None]:
-        """A wait ended: forget the place; delete its node unless it now holds the lease."""
+    def leave_line(
+        self, name: str, owner: str, granted: bool, delete: bool = True
+    ) -> Steps[None]:
+        """A wait ended: forget the place; delete its node unless it now holds the lease.
+        ``delete=False``: the wait ended by an error, and the core gives the owner's node
+        back itself (an owner-checked release, in the background after StoreUnavailable):
+        a delete here would keep the caller up to one more timeout from its error, against
+        a store that has just failed (the chaos run's slow-call rule found acquires taking
+        wait + 2 timeouts)."""
         entry = self._line.pop((name, owner), None)
         if entry is not None and not granted:
             self._held.pop((name, owner), None)
-            yield Batch((Delete(entry.path),))
+            if delete:
+                yield Batch((Delete(entry.path),))

@@ -6,7 +6,9 @@ and pipelines requests: every ``*_async`` call queues one request and returns at
 a store request here is a :class:`Batch` of ZooKeeper operations (create, get, get children,
 set, delete, a multi, a child watch), all sent at once and answered together: one round trip,
 however many operations. The sync driver waits for the answers with ``IAsyncResult.get``
-under one deadline (the URL's ``timeout``); the asyncio driver
+under one deadline: the URL's ``timeout`` for the whole primitive, however many batches it
+sends (a deadline per batch let a release that read the node after its quick delete failed
+take two timeouts: the chaos run's slow-call rule found it); the asyncio driver
 (:mod:`latchkey.stores.io.kazoo_async`) bridges the same results into the event loop.
 
 Outcomes the store gives a meaning to (no node, node exists, bad version, not empty) come back
@@ -30,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -44,12 +46,15 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from latchkey._types import Grant
+from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
-from latchkey.stores.io import Driver, after_fork
+from latchkey.stores.io import Driver, Steps, after_fork, drive
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
     from latchkey.stores.zookeeper import ZooKeeper
+
+T = TypeVar("T")
 
 #: Per-operation outcomes returned as values (the exception instance) instead of raised.
 OUTCOMES: tuple[type[BaseException], ...] = (
@@ -255,9 +260,22 @@ class KazooDriver(Driver):
             raise KazooTimeoutError(f"no ZooKeeper session within {self.timeout:g}s")
         return client
 
-    def answer(self, request: Any) -> Any:
+    def run(self, steps: Steps[T], action: str) -> T:
+        """Run a primitive — one batch or several — within one timeout in all."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            return drive(steps, lambda request: self.answer(request, deadline))
+        except StoreUnavailable:
+            raise
+        except self.errors as exc:
+            self.backend.unavailable(exc, action)
+
+    def answer(self, request: Any, deadline: float | None = None) -> Any:
         if type(request) is Batch:
-            deadline = time.monotonic() + self.timeout
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
+            elif time.monotonic() >= deadline:
+                raise KazooTimeoutError(f"no time left within the timeout ({self.timeout:g}s)")
             client = self.client(deadline)
             results = [issue(client, op) for op in request.ops]
             answers: list[Any] = []
@@ -292,6 +310,7 @@ class LineWaiter(Waiter):
         self.driver, self.name, self.owner = driver, name, owner
         self.event = threading.Event()
         self.granted = False
+        self.finished = False  # finish() is not called when the wait ends by an error
 
     def wake(self, _event: Any = None) -> None:
         self.event.set()
@@ -303,8 +322,11 @@ class LineWaiter(Waiter):
 
     def finish(self, result: Any) -> None:
         self.granted = isinstance(result, Grant)
+        self.finished = True
 
     def close(self) -> None:
-        steps = self.driver.store.leave_line(self.name, self.owner, self.granted)
+        steps = self.driver.store.leave_line(
+            self.name, self.owner, self.granted, delete=self.finished
+        )
         with contextlib.suppress(Exception):  # best effort: the node lapses after its TTL
             self.driver.run(steps, "leave the line")

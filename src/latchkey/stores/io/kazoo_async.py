@@ -20,14 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.handlers.threading import KazooTimeoutError
 
 from latchkey._types import Grant
+from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
-from latchkey.stores.io.aio import AsyncDriver, bounded
+from latchkey.stores.io import Steps
+from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
 from latchkey.stores.io.kazoo import (
     ERRORS,
     OUTCOMES,
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
     from latchkey.stores.zookeeper import ZooKeeper
 
+
+T = TypeVar("T")
 
 #: Batches sent on one session at once (see ``AsyncKazooDriver._in_flight``).
 IN_FLIGHT = 32
@@ -116,10 +121,30 @@ class AsyncKazooDriver(AsyncDriver):
             client.remove_listener(listen)
         return client
 
-    async def answer(self, request: Any) -> Any:
+    async def run(self, steps: Steps[T], action: str) -> T:
+        """Run a primitive — one batch or several — within one timeout in all, counted from
+        when its first batch gets a slot (:meth:`_in_flight`)."""
+        deadline: list[float] = []
+        try:
+            return await adrive(steps, lambda request: self.answer(request, deadline))
+        except StoreUnavailable:
+            raise
+        except self.errors as exc:
+            self.backend.unavailable(exc, action)
+
+    async def answer(self, request: Any, deadline: list[float] | None = None) -> Any:
         if type(request) is Batch:
             async with self._in_flight():
-                return await bounded(self._batch(request), self.timeout)
+                left = self.timeout
+                if deadline is not None:
+                    if not deadline:
+                        deadline.append(time.monotonic() + self.timeout)
+                    left = deadline[0] - time.monotonic()
+                    if left <= 0:
+                        raise KazooTimeoutError(
+                            f"no time left within the timeout ({self.timeout:g}s)"
+                        )
+                return await bounded(self._batch(request), left)
         if type(request) is NewWaiter:
             return AsyncLineWaiter(self, request.name, request.owner)
         raise TypeError(f"not a ZooKeeper request: {request!r}")
@@ -167,6 +192,7 @@ class AsyncLineWaiter(AsyncWaiter):
         self.loop = asyncio.get_running_loop()
         self.event = asyncio.Event()
         self.granted = False
+        self.finished = False  # finish() is not called when the wait ends by an error
 
     def wake(self, _event: Any = None) -> None:
         try:
@@ -190,8 +216,11 @@ class AsyncLineWaiter(AsyncWaiter):
 
     async def finish(self, result: Any) -> None:
         self.granted = isinstance(result, Grant)
+        self.finished = True
 
     async def close(self) -> None:
-        steps = self.driver.store.leave_line(self.name, self.owner, self.granted)
+        steps = self.driver.store.leave_line(
+            self.name, self.owner, self.granted, delete=self.finished
+        )
         with contextlib.suppress(Exception):  # best effort: the node lapses after its TTL
             await self.driver.run(steps, "leave the line")
