@@ -20,8 +20,9 @@ A driver module subclasses :class:`SessionDriver` with how to open a session and
 ``io/sessions_pymysql.py``).
 
 Over the application's own pool or engine (``connect(client=…, locks="session")``) the
-sessions are borrowed instead (:class:`Lending`, ``io/sessions_borrowed.py``): a session is a
-connection checked out of that pool, kept while it holds a lock or waits, and given back —
+sessions are borrowed instead (:class:`~latchkey.stores.io.sessions_lending.Lending`): a
+session is a connection checked out of that pool, kept while it holds a lock or waits, and
+given back —
 never closed — once it holds nothing (:meth:`SessionDriver.give_back`); one that failed is
 discarded the pool's way (:meth:`SessionDriver.disconnect`), and :meth:`close` unlocks what
 each still holds before giving it back (:meth:`SessionDriver.let_go`).
