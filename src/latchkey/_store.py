@@ -50,7 +50,10 @@ def connect(
     state directory, ``$XDG_STATE_HOME/latchkey/locks.db``), or over a ``client`` the
     application already holds (a ``redis.Redis``, …: see :doc:`/howto/your-own-client`), which
     latchkey borrows from and never closes (a ``redis.sentinel.Sentinel`` with ``service=``,
-    the name of its master). Connects lazily.
+    the name of its master). With a PostgreSQL or MySQL pool or engine, ``locks="session"``
+    gives the server's session locks (``postgresql+advisory``, ``mysql+getlock``) on the
+    pool's connections instead of the lease table (``locks="lease"``, the default).
+    Connects lazily.
 
     Options the URL's query would carry (``timeout``, ``table``, ``prefix``…) may also be
     given as keyword arguments or as a ``url_options`` mapping, validated alike.
@@ -59,6 +62,7 @@ def connect(
     a client, and for a client latchkey cannot use (naming its type and what is accepted).
 
     .. versionchanged:: 0.2 ``client``, ``url_options`` and keyword options.
+    .. versionchanged:: 0.2 ``locks`` with a client.
     """
     merged = _options(url_options, options)
     if client is not None:

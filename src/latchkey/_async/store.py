@@ -35,7 +35,8 @@ def connect_async(
     """Open a store for asyncio by URL (default: ``LATCHKEY_URL``, else embedded SQLite in the
     user's state directory), or over an asyncio ``client`` the application already holds (a
     ``redis.asyncio.Redis``, …), borrowed and never closed. Connects on first use; close with
-    ``await store.aclose()`` or ``async with store:``. Options as for :func:`latchkey.connect`.
+    ``await store.aclose()`` or ``async with store:``. Options (and ``locks="session"`` with
+    a pool or engine) as for :func:`latchkey.connect`.
 
     Raises :class:`~latchkey.errors.ConfigError` for a bad URL or option, for both a URL and
     a client, and for a client latchkey cannot use (a sync client among them).

@@ -154,9 +154,20 @@ def _with_options(parsed: StoreURL, options: Mapping[str, Any]) -> StoreURL:
     return replace(parsed, query=query)
 
 
+def _no_client_keywords(options: Mapping[str, Any]) -> None:
+    """``locks=`` chooses among a client's stores; a URL's scheme says it already."""
+    if "locks" in options:
+        raise ConfigError(
+            "locks= chooses the store of a client (connect(client=…, locks='session')); with "
+            "a URL the scheme chooses: postgresql+advisory:// or mysql+getlock:// for session "
+            "locks"
+        )
+
+
 def open_backend(url: str, options: Mapping[str, Any] | None = None) -> Backend:
     """Parse ``url``, validate its options (and the keyword ``options``) and create the sync
     backend (connecting lazily)."""
+    _no_client_keywords(options or {})
     parsed = _with_options(StoreURL.parse(url), options or {})
     return backend_class(parsed.scheme)(parsed)
 
@@ -164,6 +175,7 @@ def open_backend(url: str, options: Mapping[str, Any] | None = None) -> Backend:
 def open_async_backend(url: str, options: Mapping[str, Any] | None = None) -> AsyncBackend:
     """Parse ``url``, validate its options and create the asyncio backend (connecting on first
     use)."""
+    _no_client_keywords(options or {})
     parsed = _with_options(StoreURL.parse(url), options or {})
     return async_backend_class(parsed.scheme)(parsed)
 
@@ -173,16 +185,25 @@ def open_client_backend(
 ) -> Any:
     """The backend (asyncio if ``asyncio``) of the store ``client`` belongs to, borrowing
     from it (see :mod:`latchkey.stores.clients`); ``options`` as the URL query would give them,
-    but ``service`` (a Sentinel's master name), which becomes the URL's path.
+    but ``service`` (a Sentinel's master name), which becomes the URL's path, and ``locks``
+    ("lease" or "session"), which chooses the store of a PostgreSQL or MySQL client.
     """
-    from latchkey.stores.clients import client_url, identify, option_text, sentinel_db, service_path
+    from latchkey.stores.clients import (
+        client_url,
+        identify,
+        locks_scheme,
+        option_text,
+        sentinel_db,
+        service_path,
+    )
 
     kind = identify(client, asyncio=asyncio)
     options = dict(options or {})
     path = service_path(client, kind, options.pop("service", None), asyncio)
+    scheme = locks_scheme(client, kind, options.pop("locks", None), asyncio)
     if kind.service and "db" not in options and sentinel_db(client):
         options["db"] = sentinel_db(client)  # the Sentinel's own, unless told otherwise
     query = {key: option_text(key, value) for key, value in options.items()}
-    url = client_url(client, kind, query, path)
+    url = client_url(client, kind, query, path, scheme)
     cls = async_backend_class(url.scheme) if asyncio else backend_class(url.scheme)
     return cls(url, client)

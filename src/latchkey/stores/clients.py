@@ -11,6 +11,16 @@ password itself rides in ``StoreURL.password`` only so that error texts are scru
 
 The store's backend keeps the client (``backend.client``); its driver borrows from it and
 never closes it (each driver's docstring says how it borrows).
+
+``locks=`` picks the kind of lock a PostgreSQL or MySQL/MariaDB client gives
+(:func:`locks_scheme`): ``"lease"`` (the default: the lease table, ``postgresql://`` /
+``mysql://``) or ``"session"`` (the server's session locks, ``postgresql+advisory://`` /
+``mysql+getlock://``). A keyword rather than a scheme because the client already names the
+database: the same word then means the same choice for both, and it reads as what it changes
+(what a lock is tied to: a lease row with a TTL and a fencing token, or a connection). The
+session locks hold a connection per lock for the lock's life, so they need a client that
+lends connections — a pool or an engine (:attr:`ClientKind.lends`); a single connection is
+a ConfigError naming what to pass instead.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ __all__ = [
     "Endpoint",
     "client_url",
     "identify",
+    "locks_scheme",
     "option_text",
     "sentinel_db",
     "service_path",
@@ -66,6 +77,9 @@ class ClientKind:
     #: arguments are not public; the store finds out from the server at its first call).
     tells_database: bool = True
     service: bool = False
+    #: A pool or an engine: it lends connections that latchkey may keep for a while (what
+    #: the session locks need: ``locks="session"``).
+    lends: bool = False
 
 
 def _redis(client: Any) -> Endpoint:
@@ -316,24 +330,24 @@ KINDS: list[ClientKind] = [
     ),
     ClientKind(
         "psycopg_pool.pool.ConnectionPool", "psycopg_pool.ConnectionPool", "postgresql", False,
-        _psycopg_pool,
+        _psycopg_pool, lends=True,
     ),
     ClientKind("psycopg.Connection", "psycopg.Connection", "postgresql", False,
                _psycopg_connection),
     ClientKind(
         "psycopg_pool.pool_async.AsyncConnectionPool", "psycopg_pool.AsyncConnectionPool",
-        "postgresql", True, _psycopg_pool,
+        "postgresql", True, _psycopg_pool, lends=True,
     ),
     ClientKind("psycopg.AsyncConnection", "psycopg.AsyncConnection", "postgresql", True,
                _psycopg_connection),
     ClientKind("sqlalchemy.engine.base.Engine",
                "sqlalchemy.Engine (postgresql+psycopg, mysql+pymysql, mariadb+pymysql, "
                "sqlite+pysqlite)",
-               _engine_scheme, False, _engine),
+               _engine_scheme, False, _engine, lends=True),
     ClientKind("sqlalchemy.ext.asyncio.engine.AsyncEngine",
                "sqlalchemy.ext.asyncio.AsyncEngine (postgresql+psycopg, mysql+asyncmy, "
                "mysql+aiomysql, mariadb+asyncmy, mariadb+aiomysql)", _engine_scheme, True,
-               _engine),
+               _engine, lends=True),
     ClientKind("pymongo.synchronous.mongo_client.MongoClient", "pymongo.MongoClient", "mongodb",
                False, _mongo),
     ClientKind("pymongo.synchronous.database.Database", "pymongo.database.Database", "mongodb",
@@ -347,11 +361,11 @@ KINDS: list[ClientKind] = [
     ClientKind("asyncmy.connection.Connection", "asyncmy.Connection", "mysql", True, _asyncmy,
                tells_database=False),
     ClientKind("asyncmy.pool.Pool", "asyncmy.Pool", "mysql", True, _nowhere,
-               tells_database=False),
+               tells_database=False, lends=True),
     ClientKind("aiomysql.connection.Connection", "aiomysql.Connection", "mysql", True,
                _aiomysql),
     ClientKind("aiomysql.pool.Pool", "aiomysql.Pool", "mysql", True, _nowhere,
-               tells_database=False),
+               tells_database=False, lends=True),
     ClientKind("pymemcache.client.base.Client", "pymemcache.Client", "memcached", False,
                _memcache),
     ClientKind("pymemcache.client.base.PooledClient", "pymemcache.PooledClient", "memcached",
@@ -447,13 +461,68 @@ def service_path(client: Any, kind: ClientKind, service: Any, asyncio: bool) -> 
     return f"/{service}"
 
 
+#: The lock kinds of ``locks=`` and the store each gives: the lease table's scheme → the
+#: session locks' scheme.
+SESSION_SCHEMES = {"postgresql": "postgresql+advisory", "mysql": "mysql+getlock"}
+LOCKS = ("lease", "session")
+#: What to pass instead of a single connection, for the session locks.
+LENDERS = {
+    "postgresql": {
+        False: "a psycopg_pool.ConnectionPool or a SQLAlchemy Engine (postgresql+psycopg)",
+        True: "a psycopg_pool.AsyncConnectionPool or a SQLAlchemy AsyncEngine "
+        "(postgresql+psycopg)",
+    },
+    "mysql": {
+        False: "a SQLAlchemy Engine (mysql+pymysql or mariadb+pymysql)",
+        True: "an asyncmy.Pool, an aiomysql.Pool or a SQLAlchemy AsyncEngine (mysql+asyncmy, "
+        "mysql+aiomysql)",
+    },
+}
+
+
+def locks_scheme(client: Any, kind: ClientKind, locks: Any, asyncio: bool) -> str:
+    """The store scheme of ``client`` for ``locks`` (None or "lease": the client's own store;
+    "session": its database's session locks); ConfigError for another value, for a client
+    whose database has no session locks, and for a single connection (which cannot hold a
+    connection per lock), naming what to pass instead."""
+    scheme = kind.scheme if isinstance(kind.scheme, str) else kind.scheme(client)
+    if locks is None or locks == "lease":
+        return scheme
+    call = "connect_async" if asyncio else "connect"
+    if locks != "session":
+        raise ConfigError(
+            f"latchkey.{call}(client=…, locks=…): locks must be 'lease' (a lease table: TTL, "
+            f"fencing tokens) or 'session' (the server's session locks), got {locks!r}"
+        )
+    shown = _qualnames(client)[0]
+    if scheme not in SESSION_SCHEMES:
+        raise ConfigError(
+            f"latchkey.{call}(client=…, locks='session'): session locks are PostgreSQL's "
+            f"advisory locks and MySQL/MariaDB's GET_LOCK; a {shown} gives the {scheme} store "
+            "(leave locks out)"
+        )
+    if not kind.lends:
+        raise ConfigError(
+            f"latchkey.{call}(client=…, locks='session') got a {shown}, a single connection: "
+            "a session lock lives on the connection that took it, so the store keeps a "
+            "connection per lock held and needs a pool to take them from; pass "
+            f"{LENDERS[scheme][asyncio]} instead"
+        )
+    return SESSION_SCHEMES[scheme]
+
+
 def client_url(
-    client: Any, kind: ClientKind, options: Mapping[str, str], path: str | None = None
+    client: Any,
+    kind: ClientKind,
+    options: Mapping[str, str],
+    path: str | None = None,
+    scheme: str | None = None,
 ) -> StoreURL:
     """The StoreURL a store reads for ``client``: its endpoint and the options, shown with the
     password masked; ``path`` (a Sentinel's service, see :func:`service_path`) replaces the
-    endpoint's."""
-    scheme = kind.scheme if isinstance(kind.scheme, str) else kind.scheme(client)
+    endpoint's; ``scheme`` (see :func:`locks_scheme`) the client's own store's."""
+    if scheme is None:
+        scheme = kind.scheme if isinstance(kind.scheme, str) else kind.scheme(client)
     try:  # (the scheme's ConfigError, above, is the caller's)
         point = kind.endpoint(client)
     except ConfigError:  # a client of an accepted type that latchkey cannot use: says why

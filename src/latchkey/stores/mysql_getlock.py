@@ -180,6 +180,10 @@ class GetLock(SessionLocks):
     driver_options = MYSQL_DRIVER
     sync_driver = "latchkey.stores.io.sessions_pymysql:PyMySQLSessions"
     async_driver = "latchkey.stores.io.sessions_asyncmy:AsyncmySessions"
+    borrowed_sync_driver = "latchkey.stores.io.sessions_mysql_borrowed:BorrowedPyMySQLSessions"
+    borrowed_async_driver = (
+        "latchkey.stores.io.sessions_mysql_borrowed_async:AsyncBorrowedMySQLSessions"
+    )
     TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW = TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW
     MAX_WAITS = MAX_WAITS
 

@@ -93,6 +93,16 @@ HOLDER = Statement(
 # in one simple-protocol message: one round trip. Run only on a spare that holds no lock, so
 # it never re-enters one, and no unlock waits behind it.
 WAIT_LOCK = "SET lock_timeout = {ms:d}; SELECT pg_advisory_lock({key:d})"
+# The same on a connection borrowed from the application's pool (``connect(client=…,
+# locks="session")``), whose session settings are the application's: the settings are local
+# to the message's implicit transaction (gone at its end, the application's untouched), and
+# statement_timeout (ms:d, st:d > ms) is latchkey's too, so a shorter one of the application's
+# cannot cancel the wait. The lock taken is a session lock all the same: it outlives the
+# transaction.
+WAIT_LOCK_LOCAL = (
+    "SET LOCAL lock_timeout = {ms:d}; SET LOCAL statement_timeout = {st:d}; "
+    "SELECT pg_advisory_lock({key:d})"
+)
 # In: key. Unlocks it (only this session's own lock can be unlocked); the server grants it to
 # a session waiting in WAIT_LOCK at once. Writes nothing: no transaction id, no WAL.
 # Answer: whether this session held it.
@@ -159,6 +169,10 @@ class Advisory(SessionLocks):
     driver_options = LIBPQ
     sync_driver = "latchkey.stores.io.sessions_psycopg:PsycopgSessions"
     async_driver = "latchkey.stores.io.sessions_psycopg:AsyncPsycopgSessions"
+    borrowed_sync_driver = "latchkey.stores.io.sessions_psycopg_borrowed:BorrowedPsycopgSessions"
+    borrowed_async_driver = (
+        "latchkey.stores.io.sessions_psycopg_borrowed:AsyncBorrowedPsycopgSessions"
+    )
     TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW = TRY_LOCK, HOLDER, UNLOCK, HOLDS, INSPECT, NOW
     NO_LIST = "pg_locks shows hashed keys, not names"
     MAX_WAITS = MAX_WAITS
@@ -166,6 +180,8 @@ class Advisory(SessionLocks):
     def __init__(self, backend: Any) -> None:
         super().__init__(backend)
         self.wait_cap_ms = max(1, int(self.timeout * 1000 * WAIT_SHARE))
+        self.statement_ms = max(self.wait_cap_ms + 1, int(self.timeout * 1000))
+        self.borrowed = backend.client is not None
 
     def key(self, name: str) -> int:
         return advisory_key(name, self.prefix)
@@ -177,7 +193,11 @@ class Advisory(SessionLocks):
         return ms / 1000
 
     def wait(self, key: Any, seconds: float, spare: Any) -> Run:
-        sql = WAIT_LOCK.format(ms=max(1, math.ceil(seconds * 1000)), key=key)
+        ms = max(1, math.ceil(seconds * 1000))
+        if self.borrowed:
+            sql = WAIT_LOCK_LOCAL.format(ms=ms, st=max(ms + 1, self.statement_ms), key=key)
+        else:
+            sql = WAIT_LOCK.format(ms=ms, key=key)
         return Run(Statement(sql, WAIT, lambda _: None), None, spare)
 
     def busy(self, key: Any, rows: list[Any]) -> Busy:

@@ -65,6 +65,10 @@ class Store:
     sync_driver: ClassVar[str] = ""
     #: ``"module:Class"`` of the asyncio driver (an :class:`~latchkey.stores.io.aio.AsyncDriver`).
     async_driver: ClassVar[str] = ""
+    #: The drivers over the application's own client (``connect(client=…)``), where they are
+    #: other classes ("": the drivers above borrow from it themselves).
+    borrowed_sync_driver: ClassVar[str] = ""
+    borrowed_async_driver: ClassVar[str] = ""
 
     def __init__(self, backend: BackendBase) -> None:
         self.url: StoreURL = backend.url
@@ -171,7 +175,9 @@ class StoreBackend(Backend):
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)
         self.store = self.store_class(self)
-        self.io: Driver = _load(self.store_class.sync_driver)(self, self.store)
+        store = self.store_class
+        driver = (client is not None and store.borrowed_sync_driver) or store.sync_driver
+        self.io: Driver = _load(driver)(self, self.store)
 
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
@@ -306,7 +312,9 @@ class AsyncStoreBackend(AsyncBackend):
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)
         self.store = self.store_class(self)
-        self.io: AsyncDriver = _load(self.store_class.async_driver)(self, self.store)
+        store = self.store_class
+        driver = (client is not None and store.borrowed_async_driver) or store.async_driver
+        self.io: AsyncDriver = _load(driver)(self, self.store)
 
     async def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1

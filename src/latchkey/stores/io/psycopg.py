@@ -141,6 +141,13 @@ def deallocated(result: psycopg.pq.abc.PGresult) -> bool:
     return result.error_field(SQLSTATE) == b"26000"
 
 
+def prepared_already(result: psycopg.pq.abc.PGresult) -> bool:
+    """Whether a PREPARE failed because the name is prepared already (SQLSTATE 42P05): on a
+    connection borrowed from the application's pool, another store of latchkey's prepared
+    the same statement under the same name."""
+    return result.error_field(SQLSTATE) == b"42P05"
+
+
 def int8(value: bytes | None) -> int:
     """A binary bigint."""
     assert value is not None

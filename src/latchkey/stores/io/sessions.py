@@ -18,6 +18,14 @@ end the parent's sessions) and none of its locks is the child's.
 A driver module subclasses :class:`SessionDriver` with how to open a session and run one
 :class:`~latchkey.stores.sessionlocks.Statement` on it (``io/sessions_psycopg.py``,
 ``io/sessions_pymysql.py``).
+
+Over the application's own pool or engine (``connect(client=…, locks="session")``) the
+sessions are borrowed instead (:class:`~latchkey.stores.io.sessions_lending.Lending`): a
+session is a connection checked out of that pool, kept while it holds a lock or waits, and
+given back —
+never closed — once it holds nothing (:meth:`SessionDriver.give_back`); one that failed is
+discarded the pool's way (:meth:`SessionDriver.disconnect`), and :meth:`close` unlocks what
+each still holds before giving it back (:meth:`SessionDriver.let_go`).
 """
 
 from __future__ import annotations
@@ -65,12 +73,23 @@ class Session:
         self.used = 0.0
 
 
+def held_keys(store: Any) -> dict[Any, list[Any]]:
+    """The keys each session holds, from the store's map."""
+    keys: dict[Any, list[Any]] = {}
+    for key, hold in store.held.items():
+        keys.setdefault(hold.session, []).append(key)
+    return keys
+
+
 class SessionDriver(Driver):
     """The main session, the spares, and the mutex; see the module docstring."""
 
     #: Errors a statement may raise; ``errors`` adds the store's own (mapped to
     #: StoreUnavailable when they end a primitive).
     driver_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+    #: Spares kept idle for the next wait (a borrowing driver keeps none: they go back to
+    #: the application's pool at once).
+    idle_spares: ClassVar[int] = IDLE_SPARES
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -111,8 +130,17 @@ class SessionDriver(Driver):
         return False
 
     def disconnect(self, session: Any) -> None:
-        """Close the connection, errors ignored."""
+        """Close the connection (a borrowed one: discard it the pool's way), errors ignored."""
         raise NotImplementedError
+
+    def give_back(self, session: Any) -> None:
+        """A session that holds nothing leaves: closed (a borrowed one goes back to its pool)."""
+        self.disconnect(session)
+
+    def let_go(self, session: Any, keys: list[Any]) -> None:
+        """At :meth:`close`: end ``session`` and the locks ``keys`` it holds (closed; a
+        borrowed one is unlocked, then given back)."""
+        self.disconnect(session)
 
     def no_answer(self, exc: BaseException) -> bool:
         """Whether ``exc`` means the server did not answer in time (frozen, or the network
@@ -178,8 +206,9 @@ class SessionDriver(Driver):
         main = self.main = self.connect(False)
         return main
 
-    def _end(self, session: Any) -> None:
-        """Close ``session``: its locks end (the store is told)."""
+    def _end(self, session: Any, holds_nothing: bool = False) -> None:
+        """Close ``session``: its locks end (the store is told). ``holds_nothing``: it holds
+        no lock, so a borrowed one may go back to its pool."""
         if session is self.main:
             self.main = None
         self.spares.discard(session)
@@ -187,7 +216,7 @@ class SessionDriver(Driver):
             self.idle.remove(session)
         if not session.closed:
             session.closed = True
-            self.disconnect(session)
+            (self.give_back if holds_nothing else self.disconnect)(session)
         self.store.session_ended(session)
 
     def _spare(self) -> Any:
@@ -207,10 +236,11 @@ class SessionDriver(Driver):
     def _free(self, session: Any) -> None:
         if session is self.main or session.closed or session in self.idle:
             return
-        if session in self.spares and len(self.idle) < IDLE_SPARES and not self.hung_up(session):
+        keep = session in self.spares and len(self.idle) < self.idle_spares
+        if keep and not self.hung_up(session):
             self.idle.append(session)
         else:
-            self._end(session)
+            self._end(session, holds_nothing=True)
 
     def _wait(self, session: Any, statement: Statement, params: Any) -> Any:
         self.waiting.add(session)
@@ -239,6 +269,7 @@ class SessionDriver(Driver):
             if self.main is not None:
                 sessions.append(self.main)
             waiting = set(self.waiting)
+            keys = held_keys(self.store)
             self.main, self.idle, self.spares = None, [], set()
             self.store.forget_all()
             for session in sessions:
@@ -246,7 +277,7 @@ class SessionDriver(Driver):
                     self.interrupt(session)  # its thread closes it
                     continue
                 session.closed = True
-                self.disconnect(session)
+                self.let_go(session, keys.get(session, []))
 
     def forget_after_fork(self) -> None:
         FORKED_AWAY.extend(s.conn for s in [self.main, *self.spares] if s is not None)

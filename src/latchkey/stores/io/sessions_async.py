@@ -12,7 +12,8 @@ caller sees CancelledError. A wait in the server is the exception: a cancellatio
 and its spare is closed, so the server drops the wait and any lock granted at that instant.
 At most ``store.MAX_WAITS`` waits in the server at once (each needs a session of its own);
 the others wait in the loop for a turn, and one that does not come within the wait's length
-becomes one more try.
+becomes one more try. Borrowed sessions (the application's pool or engine) as in the sync
+flavour: given back once they hold nothing, discarded when they failed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
-from latchkey.stores.io.sessions import IDLE_SPARES
+from latchkey.stores.io.sessions import IDLE_SPARES, held_keys
 from latchkey.stores.sessionlocks import (
     WAIT,
     Alive,
@@ -47,6 +48,11 @@ class AsyncSessionDriver(AsyncDriver):
     statement (``io/sessions_psycopg.py``, ``io/sessions_asyncmy.py``)."""
 
     driver_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError, asyncio.TimeoutError)
+    #: See :attr:`latchkey.stores.io.sessions.SessionDriver.idle_spares`.
+    idle_spares: ClassVar[int] = IDLE_SPARES
+    #: Whether the main session is the application's, given back after each primitive that
+    #: leaves it holding nothing (:meth:`after_primitive`).
+    lending: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,6 +91,17 @@ class AsyncSessionDriver(AsyncDriver):
     async def disconnect(self, session: Any) -> None:
         raise NotImplementedError
 
+    async def give_back(self, session: Any) -> None:
+        """See :meth:`latchkey.stores.io.sessions.SessionDriver.give_back`."""
+        await self.disconnect(session)
+
+    async def let_go(self, session: Any, keys: list[Any]) -> None:
+        """See :meth:`latchkey.stores.io.sessions.SessionDriver.let_go`."""
+        await self.disconnect(session)
+
+    async def after_primitive(self) -> None:
+        """After each primitive, under the mutex, when :attr:`lending`."""
+
     def no_answer(self, exc: BaseException) -> bool:
         """See :meth:`latchkey.stores.io.sessions.SessionDriver.no_answer`."""
         return isinstance(exc, (TimeoutError, asyncio.TimeoutError))
@@ -105,6 +122,8 @@ class AsyncSessionDriver(AsyncDriver):
             except self.errors as exc:
                 self.backend.unavailable(exc, action)
             finally:
+                if self.lending:
+                    await self.shielded(self.after_primitive())
                 deferred, self.deferred = self.deferred, False
             if deferred:
                 raise asyncio.CancelledError  # held back until the primitive was done
@@ -191,7 +210,7 @@ class AsyncSessionDriver(AsyncDriver):
         main = self.main = await self.connect(False)
         return main
 
-    async def _end(self, session: Any) -> None:
+    async def _end(self, session: Any, holds_nothing: bool = False) -> None:
         if session is self.main:
             self.main = None
         self.spares.discard(session)
@@ -201,7 +220,7 @@ class AsyncSessionDriver(AsyncDriver):
         self.store.session_ended(session)
         if not session.closed:
             session.closed = True
-            await self.disconnect(session)
+            await (self.give_back if holds_nothing else self.disconnect)(session)
 
     def _give_turn(self, session: Any) -> None:
         if session in self._turn_of:
@@ -239,11 +258,11 @@ class AsyncSessionDriver(AsyncDriver):
         self._give_turn(session)
         if session is self.main or session.closed or session in self.idle:
             return
-        keep = session in self.spares and len(self.idle) < IDLE_SPARES
+        keep = session in self.spares and len(self.idle) < self.idle_spares
         if keep and not await self.hung_up(session):
             self.idle.append(session)
             return
-        await self._end(session)
+        await self._end(session, holds_nothing=True)
 
     async def _wait(self, session: Any, statement: Statement, params: Any) -> Any:
         if self.deferred:  # cancelled already: no wait
@@ -276,6 +295,7 @@ class AsyncSessionDriver(AsyncDriver):
             if self.main is not None:
                 sessions.append(self.main)
             waiting = set(self.waiting)
+            keys = held_keys(self.store)
             self.main, self.idle, self.spares = None, [], set()
             self.store.forget_all()
             for session in sessions:
@@ -283,4 +303,4 @@ class AsyncSessionDriver(AsyncDriver):
                     await self.interrupt(session)  # its task closes it
                     continue
                 session.closed = True
-                await self.disconnect(session)
+                await self.let_go(session, keys.get(session, []))

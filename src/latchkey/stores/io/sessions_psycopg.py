@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import select
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import psycopg
 
@@ -34,6 +34,7 @@ from latchkey.stores.io.psycopg import (
     TUPLES_OK,
     connection_params,
     deallocated,
+    prepared_already,
     result_error,
     server_ended,
 )
@@ -84,7 +85,7 @@ def _yes(result: psycopg.pq.abc.PGresult) -> bool:
 
 
 class PsycopgSessions(SessionDriver):
-    driver_errors = ERRORS
+    driver_errors: ClassVar[tuple[type[BaseException], ...]] = ERRORS
 
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
@@ -104,7 +105,7 @@ class PsycopgSessions(SessionDriver):
             for again in (True, False):
                 if name not in session.prepared:
                     prepared = pgconn.prepare(name, statement.text.encode())
-                    if prepared.status != COMMAND_OK:
+                    if prepared.status != COMMAND_OK and not prepared_already(prepared):
                         raise result_error(prepared)
                     session.prepared.add(name)
                 result = pgconn.exec_prepared(name, params)
@@ -162,7 +163,7 @@ def _watched(session: PgSession, seconds: float, call: Callable[..., T], *args: 
 
 
 class AsyncPsycopgSessions(AsyncSessionDriver):
-    driver_errors = (*ERRORS, asyncio.TimeoutError)
+    driver_errors: ClassVar[tuple[type[BaseException], ...]] = (*ERRORS, asyncio.TimeoutError)
 
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
@@ -189,7 +190,7 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
             if name not in session.prepared:
                 pgconn.send_prepare(name, statement.text.encode())
                 prepared = await reply(pgconn, deadline, self)
-                if prepared.status != COMMAND_OK:
+                if prepared.status != COMMAND_OK and not prepared_already(prepared):
                     raise result_error(prepared)
                 session.prepared.add(name)
             pgconn.send_query_prepared(name, params)
