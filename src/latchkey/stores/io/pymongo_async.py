@@ -58,10 +58,8 @@ class AsyncMongoDriver(AsyncDriver):
         self.targets = {"locks": self.locks, "records": self.records, "admin": self.client.admin}
 
     async def answer(self, request: Any) -> Any:
-        if self.client is None:  # borrowed: one bound for the whole request
-            with pymongo.timeout(self.backend.timeout):
-                return await self._answer(request)
-        return await self._answer(request)
+        with pymongo.timeout(self.backend.timeout):  # one bound for the whole request
+            return await self._answer(request)
 
     async def _answer(self, request: Any) -> Any:
         if type(request) is Call:
