@@ -76,11 +76,17 @@ class Driver(abc.ABC):
     def run(self, steps: Steps[T], action: str) -> T:
         """Run a store primitive; a driver error becomes StoreUnavailable naming ``action``."""
         try:
-            return drive(steps, self.answer)
+            return drive(steps, self.answerer())
         except StoreUnavailable:
             raise
         except self.errors as exc:
             self.backend.unavailable(exc, action)
+
+    def answerer(self) -> Callable[[Any], Any]:
+        """What answers the requests of one primitive: :meth:`answer`, or (a driver that
+        bounds a whole primitive by one deadline, etcd's and ZooKeeper's) a function that
+        carries the primitive's deadline to it."""
+        return self.answer
 
     def close(self) -> None:  # noqa: B027 - a driver with nothing to close
         """Release every connection (leases tied to a session end with it)."""

@@ -120,11 +120,16 @@ class AsyncDriver(abc.ABC):
     async def run(self, steps: Steps[T], action: str) -> T:
         """Run a store primitive; a driver error becomes StoreUnavailable naming ``action``."""
         try:
-            return await adrive(steps, self.answer)
+            return await adrive(steps, self.answerer())
         except StoreUnavailable:
             raise
         except self.errors as exc:
             self.backend.unavailable(exc, action)
+
+    def answerer(self) -> Callable[[Any], Awaitable[Any]]:
+        """What answers the requests of one primitive (see
+        :meth:`latchkey.stores.io.Driver.answerer`)."""
+        return self.answer
 
     async def aclose(self) -> None:  # noqa: B027 - a driver with nothing to close
         """Release every connection."""

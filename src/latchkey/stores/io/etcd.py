@@ -36,18 +36,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
-from latchkey.errors import ConfigError, StoreUnavailable
+from latchkey.errors import ConfigError
 from latchkey.stores.base import Waiter
-from latchkey.stores.io import Driver, Steps, after_fork, drive
+from latchkey.stores.io import Driver, after_fork
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
-T = TypeVar("T")
 DEFAULT_PORT = 2379
 
 
@@ -181,15 +180,10 @@ class EtcdDriver(Driver):
                 client = self._client
         return client
 
-    def run(self, steps: Steps[T], action: str) -> T:
-        """Run a primitive — several requests, some of them — within one timeout in all."""
+    def answerer(self) -> Callable[[Any], Any]:
+        """A primitive — several requests, some of them — runs within one timeout in all."""
         deadline = time.monotonic() + self.timeout
-        try:
-            return drive(steps, lambda request: self.answer(request, deadline))
-        except StoreUnavailable:
-            raise
-        except self.errors as exc:
-            self.backend.unavailable(exc, action)
+        return lambda request: self.answer(request, deadline)
 
     def answer(self, request: Any, deadline: float | None = None) -> Any:
         left = self.timeout if deadline is None else left_until(deadline)

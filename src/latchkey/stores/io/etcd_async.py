@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
-from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, adrive, to_the_end
+from latchkey.stores.io.aio import AsyncDriver, to_the_end
 from latchkey.stores.io.etcd import (
     ERRORS,
     NOT_SENT,
@@ -42,8 +40,6 @@ from latchkey.stores.io.etcd import (
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
-T = TypeVar("T")
-
 
 class AsyncEtcdDriver(AsyncDriver):
     errors = (*ERRORS, asyncio.TimeoutError)
@@ -62,15 +58,10 @@ class AsyncEtcdDriver(AsyncDriver):
             )
         return self._client
 
-    async def run(self, steps: Steps[T], action: str) -> T:
-        """Run a primitive — several requests, some of them — within one timeout in all."""
+    def answerer(self) -> Callable[[Any], Awaitable[Any]]:
+        """A primitive — several requests, some of them — runs within one timeout in all."""
         deadline = time.monotonic() + self.timeout
-        try:
-            return await adrive(steps, lambda request: self.answer(request, deadline))
-        except StoreUnavailable:
-            raise
-        except self.errors as exc:
-            self.backend.unavailable(exc, action)
+        return lambda request: self.answer(request, deadline)
 
     async def answer(self, request: Any, deadline: float | None = None) -> Any:
         left = self.timeout if deadline is None else left_until(deadline)

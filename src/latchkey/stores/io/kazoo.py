@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
@@ -46,15 +46,13 @@ from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.retry import KazooRetry
 
 from latchkey._types import Grant
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
-from latchkey.stores.io import Driver, Steps, after_fork, drive
+from latchkey.stores.io import Driver, after_fork
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
     from latchkey.stores.zookeeper import ZooKeeper
 
-T = TypeVar("T")
 
 #: Per-operation outcomes returned as values (the exception instance) instead of raised.
 OUTCOMES: tuple[type[BaseException], ...] = (
@@ -260,15 +258,10 @@ class KazooDriver(Driver):
             raise KazooTimeoutError(f"no ZooKeeper session within {self.timeout:g}s")
         return client
 
-    def run(self, steps: Steps[T], action: str) -> T:
-        """Run a primitive — one batch or several — within one timeout in all."""
+    def answerer(self) -> Callable[[Any], Any]:
+        """A primitive — one batch or several — runs within one timeout in all."""
         deadline = time.monotonic() + self.timeout
-        try:
-            return drive(steps, lambda request: self.answer(request, deadline))
-        except StoreUnavailable:
-            raise
-        except self.errors as exc:
-            self.backend.unavailable(exc, action)
+        return lambda request: self.answer(request, deadline)
 
     def answer(self, request: Any, deadline: float | None = None) -> Any:
         if type(request) is Batch:

@@ -21,16 +21,15 @@ import asyncio
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from kazoo.client import KazooClient, KazooState
 from kazoo.handlers.threading import KazooTimeoutError
 
 from latchkey._types import Grant
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
-from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
+from latchkey.stores.io.aio import AsyncDriver, bounded
 from latchkey.stores.io.kazoo import (
     ERRORS,
     OUTCOMES,
@@ -45,8 +44,6 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
     from latchkey.stores.zookeeper import ZooKeeper
 
-
-T = TypeVar("T")
 
 #: Batches sent on one session at once (see ``AsyncKazooDriver._in_flight``).
 IN_FLIGHT = 32
@@ -121,16 +118,11 @@ class AsyncKazooDriver(AsyncDriver):
             client.remove_listener(listen)
         return client
 
-    async def run(self, steps: Steps[T], action: str) -> T:
-        """Run a primitive — one batch or several — within one timeout in all, counted from
+    def answerer(self) -> Callable[[Any], Awaitable[Any]]:
+        """A primitive — one batch or several — runs within one timeout in all, counted from
         when its first batch gets a slot (:meth:`_in_flight`)."""
         deadline: list[float] = []
-        try:
-            return await adrive(steps, lambda request: self.answer(request, deadline))
-        except StoreUnavailable:
-            raise
-        except self.errors as exc:
-            self.backend.unavailable(exc, action)
+        return lambda request: self.answer(request, deadline)
 
     async def answer(self, request: Any, deadline: list[float] | None = None) -> Any:
         if type(request) is Batch:

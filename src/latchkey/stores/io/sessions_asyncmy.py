@@ -40,6 +40,9 @@ class AsyncmySession(Session):
 
 class AsyncmySessions(AsyncSessionDriver):
     driver_errors = ERRORS
+    #: The refusal a DONE statement's error code is read from (a borrowed pool's driver
+    #: may be aiomysql, whose errors are PyMySQL's).
+    operational: tuple[type[BaseException], ...] = (asyncmy.errors.OperationalError,)
 
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
@@ -58,7 +61,7 @@ class AsyncmySessions(AsyncSessionDriver):
         answer, extra = statement.answer, statement.extra
         try:  # the row form where there is one
             await cur.execute(extra if isinstance(extra, str) else statement.text, params)
-        except asyncmy.errors.OperationalError as exc:
+        except self.operational as exc:
             if answer == DONE and exc.args[:1] == (extra,):
                 return False  # refused with the code that means "nothing to do"
             raise

@@ -28,7 +28,6 @@ from latchkey.stores.io.sessions import Session
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
 from latchkey.stores.io.sessions_asyncmy import IDLE_PING, AsyncmySessions
 from latchkey.stores.io.sessions_lending_async import AsyncLending, _settled, async_lender
-from latchkey.stores.sessionlocks import DONE, ROWS, Statement
 
 #: Both drivers' errors (aiomysql raises PyMySQL's).
 ERRORS: tuple[type[BaseException], ...] = (
@@ -55,6 +54,7 @@ def _open(conn: Any) -> bool:
 
 class AsyncBorrowedMySQLSessions(AsyncLending, AsyncmySessions):
     driver_errors = ERRORS
+    operational = OPERATIONAL
 
     def __init__(self, backend: Any, store: Any) -> None:
         # (not AsyncmySessions': it reads connection arguments, which are the pool's here)
@@ -73,21 +73,6 @@ class AsyncBorrowedMySQLSessions(AsyncLending, AsyncmySessions):
             await _settled(session.cur.close())
         if session.conn.get_transaction_status():
             await session.conn.rollback()
-
-    async def _execute(self, session: Any, statement: Statement, params: Any) -> Any:
-        cur = session.cur
-        answer, extra = statement.answer, statement.extra
-        try:  # the row form where there is one
-            await cur.execute(extra if isinstance(extra, str) else statement.text, params)
-        except OPERATIONAL as exc:
-            if answer == DONE and exc.args[:1] == (extra,):
-                return False  # refused with the code that means "nothing to do"
-            raise
-        session.used = time.monotonic()
-        if answer == DONE:
-            return True
-        rows = list(await cur.fetchall())  # buffered: no I/O
-        return rows if answer == ROWS else rows[0][0]  # YES, WAIT: 1, 0, or NULL (None)
 
     async def hung_up(self, session: Any) -> bool:
         if not _open(session.conn):
