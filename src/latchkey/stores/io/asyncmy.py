@@ -10,8 +10,8 @@ aiomysql 0.3.2 ~210-275 µs (~1,000-1,500 pairs/s). aiomysql also fails on ``byt
 with PyMySQL ≥ 1.2 (it imports ``escape_bytes_prefixed``, which PyMySQL 1.2 turned into a
 placeholder string) and turns server notes into Python warnings. asyncmy's own
 ``read_timeout`` is not used: it wraps every packet read in ``wait_for`` (~250 µs a pair); one
-``asyncio.timeout`` per primitive (:func:`~latchkey.stores.io.aio.bounded`) bounds the whole
-exchange instead.
+deadline per primitive (:func:`~latchkey.stores.io.aio.bounded`: one timer per event loop,
+:mod:`latchkey.stores.io.deadlines`) bounds the whole exchange instead.
 
 Connections: an :class:`~latchkey.stores.io.aio.AsyncPool` (at most ``POOL_SIZE``), each with
 its cursor and the store's ``setup()`` run on it. A connection that failed, timed out or was

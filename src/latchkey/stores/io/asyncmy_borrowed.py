@@ -40,10 +40,11 @@ the store URL shows what they tell (an asyncmy connection's host and port), and 
 without a database is the ConfigError of error 1046 at the first call (at
 ``connect_async()`` for an aiomysql connection or an engine, which say).
 
-**Timeouts.** Every call is bounded by the store's ``timeout`` (``asyncio.timeout``, as on
-latchkey's own asyncmy connections), so a server that stops answering is StoreUnavailable
-within it. Both drivers close a connection cancelled in the middle of a read: a pool's or an
-engine's is replaced; a single connection stays closed, the application's to replace.
+**Timeouts.** Every call is bounded by the store's ``timeout``
+(:func:`~latchkey.stores.io.aio.bounded`, as on latchkey's own asyncmy connections), so a server
+that stops answering is StoreUnavailable within it. Both drivers close a connection cancelled in
+the middle of a read: a pool's or an engine's is replaced; a single connection stays closed, the
+application's to replace.
 
 **aiomysql and bytes.** aiomysql escapes ``bytes`` with a PyMySQL function that PyMySQL 1.2
 replaced by a placeholder string, so latchkey renders an aiomysql request's parameters

@@ -12,12 +12,12 @@ reused (dropped when taken from the pool).
 
 Each server has a pool of connections, at most :data:`POOL_MAX` out at once (a thousand polling
 waiters do not open a thousand sockets); the idle ones stay open. Not
-:class:`latchkey.stores.io.aio.AsyncPool`: its ``get`` + ``put`` cost 3.8 µs a primitive
-against 1.1 µs here (an ``asyncio.Condition`` taken on every put, the ``alive`` coroutine
-awaited on every reuse to see unread bytes; timeit on the development VM). Every primitive runs
-within ``?timeout=`` (one ``asyncio.timeout`` around it, waiting for a pooled connection and
-opening one included); a connection that errored, timed out or was cancelled mid-request is
-closed, never pooled again. memcached has no push: the core polls.
+:class:`latchkey.stores.io.aio.AsyncPool`: its ``get`` + ``put`` cost 3.8 µs a primitive against
+1.1 µs here (an ``asyncio.Condition`` taken on every put, the ``alive`` coroutine awaited on
+every reuse to see unread bytes; timeit on the development VM). Every primitive runs within
+``?timeout=`` (one deadline around it, :func:`~latchkey.stores.io.aio.bounded`, waiting for a
+pooled connection and opening one included); a connection that errored, timed out or was
+cancelled mid-request is closed, never pooled again. memcached has no push: the core polls.
 """
 
 from __future__ import annotations

@@ -2,11 +2,12 @@
 one statement (the statements' row forms, ``Statement.extra``: see
 :mod:`latchkey.stores.mysql_getlock`), tell whether the server ended an idle one.
 
-Every call is bounded by one ``asyncio.timeout`` (asyncmy's own ``read_timeout`` wraps every
-packet read in ``wait_for``, ~250 µs a pair); a wait in the server by its length plus the
-store's ``timeout``. A session idle for ``IDLE_PING`` seconds or more is pinged before use (the
-server may have ended it: restart, idle timeout, KILL) and replaced if it does not answer.
-Closing a waiting session's connection (``aclose``) makes its wait fail at once.
+Every call is bounded by one deadline (:func:`~latchkey.stores.io.aio.bounded`; asyncmy's own
+``read_timeout`` wraps every packet read in ``wait_for``, ~250 µs a pair); a wait in the server
+by its length plus the store's ``timeout``. A session idle for ``IDLE_PING`` seconds or more is
+pinged before use (the server may have ended it: restart, idle timeout, KILL) and replaced if it
+does not answer. Closing a waiting session's connection (``aclose``) makes its wait fail at
+once.
 """
 
 from __future__ import annotations

@@ -1,0 +1,125 @@
+"""Deadlines for asyncio calls, one timer per event loop: what
+:func:`latchkey.stores.io.aio.bounded` runs on (Python 3.11+).
+
+``asyncio.timeout`` arms a timer for every call it bounds (a ``TimerHandle`` pushed on the loop's
+heap, cancelled when the call returns) and wraps the call in a context manager object: ~10 µs a
+call on the development VM, a fifth of an asyncio memcached acquire + release
+(``bench/asyncrows.py``). Every call latchkey bounds ends long before its deadline, so a timer
+per call is work thrown away. Here a call only registers ``(task, deadline)`` in its loop's
+:class:`Keeper` and removes it when it returns; the keeper keeps *one* timer, armed for the
+earliest deadline it holds, and when it fires it cancels every task whose deadline has come,
+then re-arms for the next. A call that ends before the timer fires costs a dict insert and a
+pop; the timer fires about once per timeout while calls keep coming.
+
+On expiry the task is cancelled as ``asyncio.timeout`` cancels it, and :func:`bounded` turns
+that cancellation into ``TimeoutError`` unless the task was also cancelled by someone else
+(``Task.uncancel`` counts: a caller's own cancellation passes through untouched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+import weakref
+from collections.abc import Awaitable
+from typing import TypeVar
+
+assert sys.version_info >= (3, 11), "Task.uncancel: Python 3.11+ (aio.bounded says which to use)"
+
+T = TypeVar("T")
+
+#: A timer may fire this much before its time (the loop runs timers due within its clock's
+#: resolution): a deadline this close counts as come.
+_EARLY = time.get_clock_info("monotonic").resolution
+
+
+class _Call:
+    """One bounded call: its task, its deadline (loop time), and whether the keeper cancelled
+    it."""
+
+    __slots__ = ("deadline", "expired", "task")
+
+    def __init__(self, task: asyncio.Task[object], deadline: float) -> None:
+        self.task = task
+        self.deadline = deadline
+        self.expired = False
+
+
+class Keeper:
+    """The bounded calls in progress on one event loop, and the one timer for the earliest."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: dict[_Call, None] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when the timer fires (inf: not armed)
+
+    def add(self, call: _Call) -> None:
+        self.calls[call] = None
+        if call.deadline < self.at:
+            self._arm(call.deadline)
+
+    def _arm(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.at = at
+        self.timer = self.loop.call_at(at, self._fire)
+
+    def _fire(self) -> None:
+        self.timer, self.at = None, math.inf
+        now = self.loop.time() + _EARLY
+        earliest = math.inf
+        for call in list(self.calls):
+            if call.deadline <= now:
+                del self.calls[call]
+                call.expired = True
+                call.task.cancel()
+            elif call.deadline < earliest:
+                earliest = call.deadline
+        if earliest < math.inf:
+            self._arm(earliest)
+
+
+_keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Keeper] = (
+    weakref.WeakKeyDictionary()
+)
+_last: tuple[asyncio.AbstractEventLoop | None, Keeper | None] = (None, None)
+
+
+def keeper(loop: asyncio.AbstractEventLoop) -> Keeper:
+    """The keeper of ``loop`` (made on first use; it goes with the loop)."""
+    global _last
+    last_loop, last_keeper = _last
+    if last_loop is loop and last_keeper is not None:
+        return last_keeper
+    found = _keepers.get(loop)
+    if found is None:
+        found = _keepers[loop] = Keeper(loop)
+    _last = (loop, found)
+    return found
+
+
+async def bounded(aw: Awaitable[T], seconds: float) -> T:
+    """Await ``aw`` for at most ``seconds``; ``TimeoutError`` after that (``aw`` cancelled)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task(loop)
+    if task is None:  # pragma: no cover - awaited outside a task: nothing to cancel
+        return await asyncio.wait_for(aw, seconds)
+    call = _Call(task, loop.time() + seconds)
+    cancelling = task.cancelling()
+    calls = keeper(loop)
+    calls.add(call)
+    try:
+        return await aw
+    except asyncio.CancelledError as exc:
+        if call.expired:
+            call.expired = False
+            if task.uncancel() <= cancelling:
+                raise TimeoutError from exc
+        raise
+    finally:
+        calls.calls.pop(call, None)
+        if call.expired:  # cancelled at its deadline, yet ``aw`` swallowed it and returned
+            task.uncancel()
