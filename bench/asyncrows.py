@@ -8,6 +8,9 @@ A  uncontended acquire+release pairs/s, one lock object per pair. The sync API a
    API alternate in short slices (ABBA order) in one process, so both see the same machine
    load; the asyncio slices run inside one coroutine on one event loop (no loop entry per
    call). Reported: the median of the per-slice-pair ratios async/sync.
+F  the floor under A: the raw client's round trips (bench/rawasync.py), its asyncio pair
+   against its sync pair, in the same paired slices. latchkey's A ratio cannot be much above
+   it: what asyncio costs per round trip against a blocking call on this machine.
 B  hand-off: a waiter process blocked in acquire, the holder releases; time from the release
    call to the waiter's return (bench/scenarios.py scenario_b), for a sync waiter and for an
    asyncio waiter awaiting in its event loop.
@@ -33,6 +36,7 @@ for path in (str(HERE), str(HERE.parent)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import rawasync  # noqa: E402
 import scenarios  # noqa: E402
 from subjects import LATCHKEY_URLS, SERVER_OF, TTL  # noqa: E402
 
@@ -95,6 +99,50 @@ def paired_a(url: str, slices: int, seconds: float, tag: str) -> dict[str, Any]:
         loop.close()
 
 
+def paired_f(store: str, env: dict[str, str], slices: int, seconds: float) -> dict[str, Any]:
+    """F: the raw client's asyncio pair against its sync pair (bench/rawasync.py), in the same
+    ABBA slices as A: the floor under A's ratio."""
+    loop = asyncio.new_event_loop()
+    pair, apair, close = rawasync.make(store, env, loop)
+
+    def sync_rate(limit: float) -> float:
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < limit:
+            pair()
+            done += 1
+        return done / (time.perf_counter() - started)
+
+    async def async_rate(limit: float) -> float:
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < limit:
+            await apair()
+            done += 1
+        return done / (time.perf_counter() - started)
+
+    try:
+        sync_rate(0.3)
+        loop.run_until_complete(async_rate(0.3))
+        ratios, sync_rates, async_rates = [], [], []
+        for i in range(slices):
+            rates: dict[int, float] = {}
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                if which == 0:
+                    rates[0] = sync_rate(seconds)
+                else:
+                    rates[1] = loop.run_until_complete(async_rate(seconds))
+            sync_rates.append(rates[0])
+            async_rates.append(rates[1])
+            ratios.append(rates[1] / rates[0])
+        med = statistics.median
+        return {
+            "ratio": med(ratios), "range": [min(ratios), max(ratios)],
+            "sync": med(sync_rates), "async": med(async_rates),
+        }  # fmt: skip
+    finally:
+        loop.run_until_complete(close())
+        loop.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", default=",".join(LATCHKEY_URLS))
@@ -102,6 +150,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-b", action="store_true", help="A and F only")
     parser.add_argument("--out")
     args = parser.parse_args()
     stores = [s for s in args.stores.split(",") if s]
@@ -121,8 +170,12 @@ def main() -> None:
                     row["A"] = paired_a(url, args.slices, args.seconds, f"{store}:{time.time()}")
                 except Exception as exc:
                     row["A"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                try:
+                    row["F"] = paired_f(store, env, args.slices, args.seconds)
+                except Exception as exc:
+                    row["F"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
                 b_sync, b_async = [], []
-                for r in range(args.rounds):
+                for r in range(0 if args.no_b else args.rounds):
                     tag = f"{store}:{r}:{time.time()}"
                     for key, out in ((f"{store}/latchkey", b_sync),
                                      (f"{store}/latchkey-async", b_async)):  # fmt: skip
@@ -131,14 +184,18 @@ def main() -> None:
                             out.append(res["median_ms"])
                 row["B"] = {"sync_ms": b_sync, "async_ms": b_async}
                 results[store] = row
-                a, b = row["A"], row["B"]
+                a, b, f = row["A"], row["B"], row["F"]
                 a_txt = (f"A async/sync {a['ratio']:.2f} ({a['range'][0]:.2f}-{a['range'][1]:.2f}),"
                          f" {a['async']:,.0f} vs {a['sync']:,.0f} pairs/s"
                          if "ratio" in a else f"A {a.get('error')}")  # fmt: skip
                 med = statistics.median
                 b_txt = (f"B sync {med(b['sync_ms']):.1f} ms, async {med(b['async_ms']):.1f} ms"
                          if b["sync_ms"] and b["async_ms"] else "B not measured")  # fmt: skip
-                print(f"{store:22} {a_txt}; {b_txt}", flush=True)
+                f_txt = (f"F raw async/sync {f['ratio']:.2f}"
+                         f" ({f['range'][0]:.2f}-{f['range'][1]:.2f}),"
+                         f" {f['async']:,.0f} vs {f['sync']:,.0f} pairs/s"
+                         if "ratio" in f else f"F {f.get('error')}")  # fmt: skip
+                print(f"{store:22} {a_txt}; {f_txt}; {b_txt}", flush=True)
         finally:
             servers.stop(running)
     if args.out:
