@@ -129,3 +129,17 @@ def test_a_call_that_swallows_its_expiry_and_returns_leaves_no_cancel_pending() 
         return value, task.cancelling()
 
     assert asyncio.run(main()) == ("finished", 0)
+
+
+def test_the_block_form_bounds_what_it_awaits() -> None:
+    from latchkey.stores.io.deadlines import Deadline
+
+    async def main() -> str:
+        with pytest.raises(TimeoutError):
+            async with Deadline(0.05):
+                await asyncio.sleep(10)
+        with Deadline(5):
+            await asyncio.sleep(0)
+        return "ok"
+
+    assert asyncio.run(main()) == "ok"

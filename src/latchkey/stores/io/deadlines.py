@@ -1,15 +1,15 @@
 """Deadlines for asyncio calls, one timer per event loop: what
 :func:`latchkey.stores.io.aio.bounded` runs on (Python 3.11+).
 
-``asyncio.timeout`` arms a timer for every call it bounds (a ``TimerHandle`` pushed on the loop's
-heap, cancelled when the call returns) and wraps the call in a context manager object: ~10 µs a
-call on the development VM, a fifth of an asyncio memcached acquire + release
+``asyncio.timeout`` arms a timer for every call it bounds (a ``TimerHandle`` pushed on the
+loop's heap, cancelled when the call returns) and wraps the call in a context manager object:
+~10 µs a call on the development VM, a fifth of an asyncio memcached acquire + release
 (``bench/asyncrows.py``). Every call latchkey bounds ends long before its deadline, so a timer
-per call is work thrown away. Here a call only registers ``(task, deadline)`` in its loop's
-:class:`Keeper` and removes it when it returns; the keeper keeps *one* timer, armed for the
-earliest deadline it holds, and when it fires it cancels every task whose deadline has come,
-then re-arms for the next. A call that ends before the timer fires costs a dict insert and a
-pop; the timer fires about once per timeout while calls keep coming.
+per call is work thrown away. Here a call only registers ``(task, deadline)`` (a
+:class:`Deadline`) in its loop's :class:`Keeper` and removes it when it returns; the keeper
+keeps *one* timer, armed for the earliest deadline it holds, and when it fires it cancels every
+task whose deadline has come, then re-arms for the next. A call that ends before the timer fires
+costs a dict insert and a pop; the timer fires about once per timeout while calls keep coming.
 
 On expiry the task is cancelled as ``asyncio.timeout`` cancels it, and :func:`bounded` turns
 that cancellation into ``TimeoutError`` unless the task was also cancelled by someone else
@@ -24,6 +24,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable
+from types import TracebackType
 from typing import TypeVar
 
 assert sys.version_info >= (3, 11), "Task.uncancel: Python 3.11+ (aio.bounded says which to use)"
@@ -35,28 +36,16 @@ T = TypeVar("T")
 _EARLY = time.get_clock_info("monotonic").resolution
 
 
-class _Call:
-    """One bounded call: its task, its deadline (loop time), and whether the keeper cancelled
-    it."""
-
-    __slots__ = ("deadline", "expired", "task")
-
-    def __init__(self, task: asyncio.Task[object], deadline: float) -> None:
-        self.task = task
-        self.deadline = deadline
-        self.expired = False
-
-
 class Keeper:
     """The bounded calls in progress on one event loop, and the one timer for the earliest."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.calls: dict[_Call, None] = {}
+        self.calls: dict[Deadline, None] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.at = math.inf  # when the timer fires (inf: not armed)
 
-    def add(self, call: _Call) -> None:
+    def add(self, call: Deadline) -> None:
         self.calls[call] = None
         if call.deadline < self.at:
             self._arm(call.deadline)
@@ -101,25 +90,57 @@ def keeper(loop: asyncio.AbstractEventLoop) -> Keeper:
     return found
 
 
+class Deadline:
+    """``with Deadline(seconds):`` in a coroutine: what ``asyncio.timeout`` does (the task
+    cancelled at the deadline, ``TimeoutError`` out of the block), with the keeper's one timer
+    per loop. A plain ``with``: cancellation reaches a coroutine only where it awaits."""
+
+    __slots__ = ("cancelling", "deadline", "expired", "keeper", "seconds", "task")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = False  # the keeper cancelled the task for it (not yet uncancelled)
+
+    def __enter__(self) -> Deadline:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        if task is None:  # pragma: no cover - a coroutine always runs in a task here
+            raise RuntimeError("Deadline needs a task")
+        self.task = task
+        self.deadline = loop.time() + self.seconds
+        self.cancelling = task.cancelling()
+        self.keeper = keeper(loop)
+        self.keeper.add(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.keeper.calls.pop(self, None)
+        if self.expired:
+            self.expired = False
+            # As asyncio.timeout: the expiry's cancel is taken back whatever happened (a body
+            # that swallowed it and returned leaves no cancel pending); it becomes TimeoutError
+            # unless someone else cancelled the task too.
+            if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
+
+    async def __aenter__(self) -> Deadline:  # ``async with``, as asyncio.timeout is used
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
 async def bounded(aw: Awaitable[T], seconds: float) -> T:
     """Await ``aw`` for at most ``seconds``; ``TimeoutError`` after that (``aw`` cancelled)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task(loop)
-    if task is None:  # pragma: no cover - awaited outside a task: nothing to cancel
-        return await asyncio.wait_for(aw, seconds)
-    call = _Call(task, loop.time() + seconds)
-    cancelling = task.cancelling()
-    calls = keeper(loop)
-    calls.add(call)
-    try:
+    with Deadline(seconds):
         return await aw
-    except asyncio.CancelledError as exc:
-        if call.expired:
-            call.expired = False
-            if task.uncancel() <= cancelling:
-                raise TimeoutError from exc
-        raise
-    finally:
-        calls.calls.pop(call, None)
-        if call.expired:  # cancelled at its deadline, yet ``aw`` swallowed it and returned
-            task.uncancel()

@@ -12,11 +12,11 @@ give-back) cost 16 µs against 5 µs for this semaphore and list (loaded 2-core 
 under a herd (a release wakes a thousand waiters, each acquires once) its wait let
 newcomers take the connections woken waiters were promised, until some ran out of time.
 
-Timeouts: each request runs under one deadline of the store's ``timeout`` (``asyncio.timeout``),
-connecting also under redis-py's ``socket_connect_timeout``. The connections have no
-``socket_timeout`` of their own: on Python 3.11 redis-py enforces it with ``asyncio.wait_for``
-around every send (a task each) and a second timer around every read, which tripled the cost
-of a round trip; the one deadline per request bounds the same awaits.
+Timeouts: each request runs under one deadline of the store's ``timeout``
+(``stores/io/deadlines.py``), connecting also under redis-py's ``socket_connect_timeout``. The
+connections have no ``socket_timeout`` of their own: on Python 3.11 redis-py enforces it with
+``asyncio.wait_for`` around every send (a task each) and a second timer around every read, which
+tripled the cost of a round trip; the one deadline per request bounds the same awaits.
 
 Waiting: one pub/sub connection per backend, read by one task (:class:`Listener`), wakes
 every waiter of the backend through its own :class:`asyncio.Event`; a waiting coroutine holds
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
 
 if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
+    from latchkey.stores.io.deadlines import Deadline as _deadline  # asyncio.timeout, cheaper
 else:  # redis-py itself depends on async-timeout before Python 3.11.3
     from async_timeout import timeout as _deadline  # type: ignore[import-not-found,unused-ignore]
 

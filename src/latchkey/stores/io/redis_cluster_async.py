@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from latchkey.stores.redis_cluster import RedisCluster
 
 if sys.version_info >= (3, 11):
-    from asyncio import timeout as _deadline
+    from latchkey.stores.io.deadlines import Deadline as _deadline  # asyncio.timeout, cheaper
 else:  # redis-py itself depends on async-timeout before Python 3.11.3
     from async_timeout import timeout as _deadline  # type: ignore[import-not-found,unused-ignore]
 
