@@ -142,13 +142,13 @@ local function take(base, owner, info, now, ttl, limit)
   local leases, owners = base .. ':leases', base .. ':owners'
   local gone = drop_expired(base, now)
   local expires = now + ttl
-  local mine = redis.call('HGET', owners, owner)
+  local others = redis.call('ZCARD', leases)
+  local mine = others > 0 and redis.call('HGET', owners, owner)  -- same members as the zset
   if mine then  -- live: drop_expired just removed the expired ones
     if gone > 0 then reindex(base) end
     local ends = tonumber(redis.call('ZSCORE', leases, owner))
     return token_of(mine) .. ':' .. ends .. ':' .. (ends - now)
   end
-  local others = redis.call('ZCARD', leases)
   if others + (holder and 1 or 0) >= limit then
     if gone > 0 then reindex(base) end
     return busy(base, now)
@@ -166,12 +166,7 @@ local function take(base, owner, info, now, ttl, limit)
   end
   return token .. ':' .. expires
 end
-local function release(base, owner)
-  if mutex_holder(base) == owner then
-    redis.call('DEL', base .. ':lease')
-    redis.call('PUBLISH', base .. ':lease', '1')
-    return 1
-  end
+local function release_slot(base, owner)  -- the owner's semaphore slot, if any
   local expires = redis.call('ZSCORE', base .. ':leases', owner)
   if not expires then return 0 end
   redis.call('ZREM', base .. ':leases', owner)
@@ -184,6 +179,14 @@ local function release(base, owner)
   if tonumber(expires) <= now_ms() then return 0 end
   redis.call('PUBLISH', base .. ':lease', '1')
   return 1
+end
+local function release(base, owner)
+  if mutex_holder(base) == owner then
+    redis.call('DEL', base .. ':lease')
+    redis.call('PUBLISH', base .. ':lease', '1')
+    return 1
+  end
+  return release_slot(base, owner)
 end
 """
 
@@ -255,7 +258,7 @@ end
 """
     + _LUA_HELPERS
     + """
-return release(KEYS[1], ARGV[1])
+return release_slot(KEYS[1], ARGV[1])  -- not the owner's mutex: the GET above said so
 """
 )
 
