@@ -9,6 +9,7 @@ learn it) with a comment block: KEYS, ARGV, what it returns, the invariant it ke
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import NamedTuple
 
 
@@ -20,7 +21,33 @@ class Lua(NamedTuple):
 
 
 def _lua(text: str) -> Lua:
+    """The script, with only the helpers (of ``_LUA_HELPERS``) its own code calls, directly or
+    through another helper: a Lua closure is built per call for every ``local function``, and
+    the semaphore paths ran ~0.3 µs of the server's time faster per script without the ones
+    they never call (bench/scriptab.py)."""
+    if _LUA_HELPERS in text:
+        head, tail = text.split(_LUA_HELPERS, 1)
+        text = head + _helpers_for(head + tail) + tail
     return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
+
+
+def _helpers_for(code: str) -> str:
+    """The chunks of ``_LUA_HELPERS`` (each a top-level ``local`` at column 0, with what follows
+    it) that ``code`` names, and those they name, in their order."""
+    named = {
+        re.findall(r"^local (?:function )?(\w+)", chunk)[0]: chunk
+        for chunk in re.split(r"(?m)^(?=local )", _LUA_HELPERS)
+        if chunk.strip()
+    }
+    wanted: set[str] = set()
+    todo = [code]
+    while todo:
+        text = todo.pop()
+        for name in named.keys() - wanted:
+            if re.search(rf"\b{name}\b", text):
+                wanted.add(name)
+                todo.append(named[name])
+    return "".join(c for name, c in named.items() if name in wanted)
 
 
 # Every script gets, per name, one KEYS entry: the name's base key "P{H}". It touches only the
