@@ -1110,3 +1110,51 @@ def test_a_zset_written_before_the_index_is_registered_by_its_next_renewal(
     finally:
         admin.close()
         store.close()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_purge_with_a_limit_stops_after_a_page_and_the_next_calls_clear_the_rest(
+    redis_url: str, flavour: str
+) -> None:
+    """250 semaphores each keeping one expired entry beside a live holder: ``limit=50`` stops
+    after the first script (100 zsets, 100 entries), as the core's batches need; calls until
+    one returns less than its limit clear the rest, and leave every live holder."""
+    names = [f"s{i:03}" for i in range(250)]
+    if flavour == "sync":
+        backend: Any = open_backend(redis_url)
+        call: Callable[[Any], Any] = lambda value: value  # noqa: E731
+    else:
+        backend = open_async_backend(redis_url)
+        loop = asyncio.new_event_loop()
+        call = loop.run_until_complete
+    try:
+        for n in names:
+            assert isinstance(call(backend.acquire(n, "live" * 8, INFO, 60, 3)), Grant)
+            assert isinstance(call(backend.acquire(n, "dead" * 8, INFO, 0.2, 3)), Grant)
+        eventually(lambda: _server_ms_of(redis_url) > _index_max(redis_url), what="expiry")
+        assert call(backend.purge_expired(50)) == 100
+        rest = [call(backend.purge_expired(100)) for _ in range(2)]
+        assert rest == [100, 50]
+        assert call(backend.purge_expired(100)) == 0
+        for n in names[::50]:
+            info = call(backend.inspect(n))
+            assert info is not None and len(info.holders) == 1
+    finally:
+        if flavour == "sync":
+            backend.close()
+        else:
+            call(backend.aclose())
+            loop.close()
+
+
+def _server_ms_of(url: str) -> int:
+    with redis.Redis.from_url(url.split("?")[0]) as admin:
+        seconds, micros = admin.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _index_max(url: str) -> int:
+    prefix = url.split("prefix=")[1]
+    with redis.Redis.from_url(url.split("?")[0]) as admin:
+        top = admin.zrange(f"{prefix}expiring", -1, -1, withscores=True)
+    return int(top[0][1]) if top else 0
