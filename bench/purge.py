@@ -12,7 +12,8 @@ For each store (its own disposable server, tests/servers; SQLite in a temporary 
    an hour) and ``expired`` expired ones (SQL stores and MongoDB: rows/documents in latchkey's
    own format; Redis: ``live`` mutex leases, and expired entries in semaphore zsets that one
    live holder each keeps alive — the only expired leases Redis keeps, since everything else
-   expires by itself);
+   expires by itself — and each such zset's member in the expiry index, ``latchkey:expiring``,
+   as latchkey's scripts keep it: an older tree, which has no index, ignores that key);
 3. **full**: the same acquire+release median beside them;
 4. **purge**: ``store.purge_expired()`` is timed while a second process loops acquire+release
    of its own names and records each pair's latency: the purge's duration and rate, and the
@@ -147,6 +148,7 @@ def seed_redis(url: str, live: int, expired: int) -> None:
         pipe.hset(f"{base}:owners", mapping={k: f"1:{now}:{{}}" for k in members})
         pipe.pexpireat(f"{base}:leases", now + 3_600_000)
         pipe.pexpireat(f"{base}:owners", now + 3_600_000)
+        pipe.zadd("latchkey:expiring", {base: now - 3_600_000})  # its soonest expiry
         if z % 2_000 == 1_999:
             pipe.execute()
     pipe.execute()

@@ -997,3 +997,164 @@ def test_health_check_interval_pings_a_connection_idle_that_long(
             assert pings() - before == expected, query
         finally:
             backend.close()
+
+
+# -- the expiry index: a purge costs what it removes ------------------------------------------
+
+
+def _index(admin: redis.Redis, prefix: str = "latchkey:") -> dict[str, int]:
+    """The expiry index: semaphore base key -> score (ms)."""
+    members = admin.zrange(f"{prefix}expiring", 0, -1, withscores=True)
+    return {k.decode(): int(v) for k, v in members}
+
+
+def _store_base(name: str, prefix: str = "latchkey:") -> str:
+    return f"{prefix}{{{name.encode().hex()}}}"
+
+
+def _soonest(admin: redis.Redis, base: str) -> int:
+    """The soonest expiry in a semaphore's zset."""
+    return int(admin.zrange(f"{base}:leases", 0, 0, withscores=True)[0][1])
+
+
+def test_a_purge_beside_many_live_leases_reads_the_index_not_every_key(
+    own_server: RunningServer, connect: Callable[[str], latchkey.Store]
+) -> None:
+    """2,000 live mutex leases and 50 live semaphores, one of which keeps an expired entry: the
+    purge removes that entry in one EVALSHA that reads the index and the one due zset: no
+    SCAN, and none of the live semaphores is touched (sync and asyncio)."""
+    store = connect(own_server.url)
+    admin = redis.Redis(port=own_server.port)
+    try:
+        assert len(store.claim([f"m{i:04}" for i in range(2_000)], ttl="60s")) == 2_000
+        slots = [store.semaphore(f"s{i:02}", 3, ttl="60s") for i in range(50)]
+        for slot in slots:
+            assert slot.acquire()
+        short = store.semaphore("s00", 3, ttl="200ms")
+        assert short.acquire()
+        assert store.purge_expired() == 0  # (loads the script: NOSCRIPT, SCRIPT LOAD)
+        eventually(lambda: len(store.inspect("s00").holders) == 1, what="expiry")  # type: ignore[union-attr]
+        before = _commands(admin)
+        assert store.purge_expired() == 1
+        after = _commands(admin)
+        spent = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        spent.pop("info", None)
+        assert "scan" not in spent, spent
+        # the index's ZRANGEBYSCORE, then the due zset's own (drop_expired): nothing else read
+        assert spent["evalsha"] == 1 and spent["zrangebyscore"] == 2, spent
+        assert store.purge_expired() == 0
+        assert len(store.inspect("s00").holders) == 1  # type: ignore[union-attr]
+    finally:
+        admin.close()
+        store.close()
+
+
+def test_the_index_has_a_member_per_semaphore_with_holders_and_none_when_all_left(
+    own_server: RunningServer, connect: Callable[[str], latchkey.Store]
+) -> None:
+    """Each semaphore with holders has one index member scored by its zset's soonest expiry,
+    kept by acquire, renewal and release; a mutex has none; when the last holder leaves (by
+    release, force release, or expiry and a purge) the member goes, and the index with it."""
+    store = connect(own_server.url)
+    admin = redis.Redis(port=own_server.port)
+    base = _store_base
+    try:
+        a = store.semaphore("a", 3, ttl="30s")
+        a2 = store.semaphore("a", 3, ttl="20s")
+        b = store.semaphore("b", 2, ttl="30s")
+        c = store.semaphore("c", 2, ttl="200ms")
+        mutex = store.lock("m", ttl="30s")
+        for lease in (a, a2, b, c, mutex):
+            assert lease.acquire()
+        index = _index(admin)
+        assert sorted(index) == [base("a"), base("b"), base("c")]
+        assert all(index[k] == _soonest(admin, k) for k in index)
+        last = admin.zrange(f"{base('a')}:leases", -1, -1, withscores=True)[0][1]
+        assert index[base("a")] < last  # the 20 s holder's expiry, not the 30 s one's
+        a2.extend("60s")  # the soonest moves on to the other holder
+        assert _index(admin)[base("a")] == _soonest(admin, base("a"))
+        assert a2.release() and _index(admin)[base("a")] == _soonest(admin, base("a"))
+        assert a.release() and base("a") not in _index(admin)
+        assert store.force_release("b") and base("b") not in _index(admin)
+        eventually(lambda: store.is_free("c"), what="expiry")
+        assert base("c") in _index(admin)  # expired unreleased: due, for the purge
+        assert store.purge_expired() == 0  # (the zset itself expired with its holder)
+        assert admin.exists("latchkey:expiring") == 0
+        mutex.release()
+    finally:
+        admin.close()
+        store.close()
+
+
+def test_a_zset_written_before_the_index_is_registered_by_its_next_renewal(
+    own_server: RunningServer, connect: Callable[[str], latchkey.Store]
+) -> None:
+    """Data of an older latchkey: a zset with an expired entry kept by a live holder, and no
+    index member. The purge does not see it (it reads the index only); the live holder's next
+    renewal (or any acquire or release of the name) registers it, and the next purge removes
+    the entry. Left alone, the zset still expires with its last holder (PEXPIREAT)."""
+    store = connect(own_server.url)
+    admin = redis.Redis(port=own_server.port)
+    try:
+        live = store.semaphore("old", 3, ttl="30s")
+        dead = store.semaphore("old", 3, ttl="200ms")
+        assert live.acquire() and dead.acquire()
+        admin.delete("latchkey:expiring")  # as an older latchkey left it
+        eventually(lambda: len(store.inspect("old").holders) == 1, what="expiry")  # type: ignore[union-attr]
+        assert store.purge_expired() == 0
+        assert 0 < admin.pttl(f"{_store_base('old')}:leases") <= 30_000
+        live.extend("30s")
+        assert store.purge_expired() == 1
+        assert admin.zcard(f"{_store_base('old')}:leases") == 1
+        assert live.release() and admin.exists("latchkey:expiring") == 0
+    finally:
+        admin.close()
+        store.close()
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_purge_with_a_limit_stops_after_a_page_and_the_next_calls_clear_the_rest(
+    redis_url: str, flavour: str
+) -> None:
+    """250 semaphores each keeping one expired entry beside a live holder: ``limit=50`` stops
+    after the first script (100 zsets, 100 entries), as the core's batches need; calls until
+    one returns less than its limit clear the rest, and leave every live holder."""
+    names = [f"s{i:03}" for i in range(250)]
+    if flavour == "sync":
+        backend: Any = open_backend(redis_url)
+        call: Callable[[Any], Any] = lambda value: value  # noqa: E731
+    else:
+        backend = open_async_backend(redis_url)
+        loop = asyncio.new_event_loop()
+        call = loop.run_until_complete
+    try:
+        for n in names:
+            assert isinstance(call(backend.acquire(n, "live" * 8, INFO, 60, 3)), Grant)
+            assert isinstance(call(backend.acquire(n, "dead" * 8, INFO, 0.2, 3)), Grant)
+        eventually(lambda: _server_ms_of(redis_url) > _index_max(redis_url), what="expiry")
+        assert call(backend.purge_expired(50)) == 100
+        rest = [call(backend.purge_expired(100)) for _ in range(2)]
+        assert rest == [100, 50]
+        assert call(backend.purge_expired(100)) == 0
+        for n in names[::50]:
+            info = call(backend.inspect(n))
+            assert info is not None and len(info.holders) == 1
+    finally:
+        if flavour == "sync":
+            backend.close()
+        else:
+            call(backend.aclose())
+            loop.close()
+
+
+def _server_ms_of(url: str) -> int:
+    with redis.Redis.from_url(url.split("?")[0]) as admin:
+        seconds, micros = admin.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _index_max(url: str) -> int:
+    prefix = url.split("prefix=")[1]
+    with redis.Redis.from_url(url.split("?")[0]) as admin:
+        top = admin.zrange(f"{prefix}expiring", -1, -1, withscores=True)
+    return int(top[0][1]) if top else 0

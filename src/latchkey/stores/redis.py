@@ -11,6 +11,9 @@ Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` `
     P{H}:fence   string      the last fencing token: the next is max(fence + 1, now ms);
                              expires 10 minutes after the lease it was drawn for
     P{H}:record  hash        {value, version} of the versioned record ``name``
+    Pexpiring    sorted set  the expiry index: the base ``P{H}`` of every semaphore with holders
+                             -> the soonest expiry in its zset (what ``purge_expired`` reads);
+                             no ``{``, so no name's key can be it. Not on Redis Cluster.
 
 ``{H}`` is a Redis Cluster hash tag: every key of one name lives in one slot, and hex keeps
 any name (``{``, ``}``, NUL, any character) safe and prefix-preserving, so ``list(prefix)`` is
@@ -51,6 +54,7 @@ from latchkey.stores.redis_lua import (
     FORCE_RELEASE,
     INSPECT,
     PURGE,
+    PURGE_DUE,
     RECORD_DELETE,
     RECORD_SET,
     RELEASE,
@@ -59,7 +63,7 @@ from latchkey.stores.redis_lua import (
 )
 
 SCRIPTS = (ACQUIRE, CLAIM, RELEASE, RELEASE_MANY, EXTEND, INSPECT, FORCE_RELEASE, PURGE,
-           RECORD_SET, RECORD_DELETE)  # fmt: skip
+           PURGE_DUE, RECORD_SET, RECORD_DELETE)  # fmt: skip
 BATCH = 500  # names per script call in list()
 PURGE_PAGE = 100  # zsets per purge script: about a millisecond of the server's time
 
@@ -148,6 +152,9 @@ class Redis(Store):
     driver_options = REDIS_OPTIONS
     sync_driver = "latchkey.stores.io.redis:RedisDriver"
     async_driver = "latchkey.stores.io.redis_async:AsyncRedisDriver"
+    #: The scripts that may change a semaphore's zset, and so its expiry index member: the
+    #: cluster's own copies keep no index (:mod:`latchkey.stores.redis_cluster`).
+    acquire_lua, extend_lua = ACQUIRE, EXTEND
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
@@ -178,6 +185,11 @@ class Redis(Store):
     def record_key(self, name: str) -> str:
         return f"{self.base(name)}:record"
 
+    def index_key(self) -> str:
+        """The expiry index of the semaphore zsets: ``Pexpiring`` (the scripts derive it from
+        a base key the same way: the base up to its ``{``)."""
+        return f"{self.prefix}expiring"
+
     def name_of(self, key: str) -> str | None:
         """The name behind a ``lease``/``leases`` key found by SCAN; None for a foreign key."""
         inner = key[len(self.prefix) :]
@@ -206,7 +218,7 @@ class Redis(Store):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
         args = (owner, owner_info, _ttl_ms(ttl))  # no limit: the script's default, 1
-        reply = yield (ACQUIRE, (self.base(name),), args if limit == 1 else (*args, limit))
+        reply = yield (self.acquire_lua, (self.base(name),), args if limit == 1 else (*args, limit))
         if isinstance(reply, str):
             return _grant(reply)
         expires, now = int(reply[2]), int(reply[3])
@@ -216,7 +228,7 @@ class Redis(Store):
         return int((yield (RELEASE, (self.base(name),), (owner,)))) == 1
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
-        reply = yield (EXTEND, (self.base(name),), (owner, _ttl_ms(ttl)))
+        reply = yield (self.extend_lua, (self.base(name),), (owner, _ttl_ms(ttl)))
         return None if reply is None else _grant(reply)
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
@@ -235,19 +247,15 @@ class Redis(Store):
 
     def purge_expired(self, limit: int | None) -> Steps[int]:
         """Expired entries of semaphore zsets that live holders keep alive: everything else
-        expires by itself (PX / PEXPIREAT). Only the zsets are read (``SCAN … TYPE zset``,
-        filtered in the server: the mutex leases, however many, never cross the wire, but the
-        server still walks every key), and each hundred of them is tidied by one script.
-        ``limit`` is not needed: every step is short."""
-        pattern, cursor, count = f"{self.prefix}{{*}}:leases", "0", 0
+        expires by itself (PX / PEXPIREAT). Only the zsets whose soonest expiry is due are
+        read, from the expiry index (``Pexpiring``), a hundred per script (a script blocks the
+        server): a purge costs what it removes, however many leases are live. Stops once
+        ``limit`` entries are removed, or none is due."""
+        index, count = self.index_key(), 0
         while True:
-            cursor, found = yield Command(
-                ("SCAN", cursor, "MATCH", pattern, "COUNT", 1000, "TYPE", "zset")
-            )
-            bases = [key[: -len(":leases")] for key in found if self.name_of(key) is not None]
-            for start in range(0, len(bases), PURGE_PAGE):  # a script blocks the server
-                count += int((yield (PURGE, bases[start : start + PURGE_PAGE], ())))
-            if cursor == "0":
+            removed, tidied = yield (PURGE_DUE, (index,), (PURGE_PAGE,))
+            count += int(removed)
+            if int(tidied) < PURGE_PAGE or (limit is not None and count >= limit):
                 return count
 
     # -- batch claims, versioned records -------------------------------------------------------

@@ -11,7 +11,10 @@ What differs is what spans names:
   batch is given back (owner-checked RELEASE_MANY per slot, best effort) before the error
   is raised, so a failed claim leaves nothing held that its caller does not know about;
 - ``list`` and ``purge_expired`` SCAN every master (:class:`Masters`, :class:`OnNode`) and
-  inspect or purge the names found, one script per slot and chunk;
+  inspect or purge the names found, one script per slot and chunk. The plain store's expiry
+  index (one sorted set per prefix) would live in one slot, and a script may touch only the
+  keys of its name's slot: the cluster's scripts keep none (``INDEXED`` false), so a purge
+  here still walks every key of every master (``SCAN … TYPE zset`` filters in the server);
 - wake-ups use sharded pub/sub: the release scripts ``SPUBLISH`` on the name's channel
   (``P{H}:lease``, in the name's slot), and waiters ``SSUBSCRIBE`` on the master that holds the
   slot (Redis >= 7.0). A plain PUBLISH would reach every node of the cluster over its bus.
@@ -55,10 +58,13 @@ from latchkey.stores.redis import (
     _ttl_ms,
 )
 from latchkey.stores.redis_lua import (
+    ACQUIRE,
     CLAIM,
+    EXTEND,
     FORCE_RELEASE,
     INSPECT,
     PURGE,
+    PURGE_DUE,
     RELEASE,
     RELEASE_MANY,
     Lua,
@@ -68,26 +74,28 @@ SLOTS = 16384
 
 
 def _sharded(lua: Lua) -> Lua:
-    """The script with every PUBLISH made an SPUBLISH (sharded pub/sub, Redis >= 7.0): the
-    release is announced on the name's slot's shard only, where its waiters subscribed; and
-    subscribers counted with SHARDNUMSUB."""
+    """The script for a cluster: every PUBLISH made an SPUBLISH (sharded pub/sub, Redis >=
+    7.0), so a release is announced on the name's slot's shard only, where its waiters
+    subscribed, and subscribers counted with SHARDNUMSUB; and no expiry index kept (``INDEXED``
+    false: the index is a key of another slot than the name's)."""
     text = lua.text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
     text = text.replace("redis.call('PUBSUB', 'NUMSUB'", "redis.call('PUBSUB', 'SHARDNUMSUB'")
+    text = text.replace("local INDEXED = true\n", "local INDEXED = false\n")
     return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
 
 
-# The release scripts of the cluster: RELEASE, RELEASE_MANY and FORCE_RELEASE announce on the
-# name's channel with SPUBLISH, and INSPECT counts its waiters with SHARDNUMSUB; KEYS, ARGV
-# and replies as in redis_lua.
+# The scripts of the cluster: RELEASE, RELEASE_MANY and FORCE_RELEASE announce on the name's
+# channel with SPUBLISH, INSPECT counts its waiters with SHARDNUMSUB, and none keeps the
+# expiry index; KEYS, ARGV and replies as in redis_lua.
+S_ACQUIRE = _sharded(ACQUIRE)
+S_CLAIM = _sharded(CLAIM)
+S_EXTEND = _sharded(EXTEND)
 S_RELEASE = _sharded(RELEASE)
 S_RELEASE_MANY = _sharded(RELEASE_MANY)
 S_FORCE_RELEASE = _sharded(FORCE_RELEASE)
 S_INSPECT = _sharded(INSPECT)
-CLUSTER_SCRIPTS = tuple(
-    {RELEASE: S_RELEASE, RELEASE_MANY: S_RELEASE_MANY, FORCE_RELEASE: S_FORCE_RELEASE,
-     INSPECT: S_INSPECT}.get(s, s)
-    for s in SCRIPTS
-)  # fmt: skip
+S_PURGE = _sharded(PURGE)
+CLUSTER_SCRIPTS = tuple(_sharded(lua) for lua in SCRIPTS if lua is not PURGE_DUE)
 
 
 class Batch(NamedTuple):
@@ -126,6 +134,7 @@ class RedisCluster(Redis):
         "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
     }
     driver_options = CLUSTER_OPTIONS
+    acquire_lua, extend_lua = S_ACQUIRE, S_EXTEND
     sync_driver = "latchkey.stores.io.redis_cluster:ClusterDriver"
     async_driver = "latchkey.stores.io.redis_cluster_async:AsyncClusterDriver"
 
@@ -206,7 +215,8 @@ class RedisCluster(Redis):
         return sorted(out, key=lambda info: info.name)
 
     def purge_expired(self, limit: int | None) -> Steps[int]:
-        """As on one Redis (only the semaphore zsets, ``SCAN … TYPE zset``), on every master."""
+        """Expired entries of the semaphore zsets found by ``SCAN … TYPE zset`` on every
+        master (a cluster keeps no expiry index: see the module docstring)."""
         pattern, count = f"{self.prefix}{{*}}:leases", 0
         for node in (yield Masters()):
             cursor: str | int = "0"
@@ -217,7 +227,7 @@ class RedisCluster(Redis):
                 names = [n for n in map(self.name_of, found) if n is not None]
                 for start in range(0, len(names), PURGE_PAGE):
                     page = names[start : start + PURGE_PAGE]
-                    count += sum(int(r) for _, r in (yield from self._each_slot(PURGE, page, ())))
+                    count += sum(int(r) for _, r in (yield from self._each_slot(S_PURGE, page, ())))
                 if int(cursor) == 0:
                     break
         return count
@@ -229,7 +239,7 @@ class RedisCluster(Redis):
             return {}
         groups = self.by_slot(names)
         args = (owner, owner_info, _ttl_ms(ttl))
-        replies = yield Batch([(CLAIM, [self.base(n) for n in g], args) for g in groups])
+        replies = yield Batch([(S_CLAIM, [self.base(n) for n in g], args) for g in groups])
         failed = _first_error(replies)
         if failed is not None:  # give back every part (a failed part may have run): owner-checked
             yield Batch([(S_RELEASE_MANY, [self.base(n) for n in g], (owner,)) for g in groups])
