@@ -200,6 +200,14 @@ RELEASE_PREPARED = RELEASE.replace("%s", "?")
 RELEASE_MANY = (
     "DELETE FROM {t} WHERE owner = %s AND name IN ({names}) AND expires_at > UTC_TIMESTAMP(6)"
 )
+# A row lease's work commits with its end (rows ``complete``, inside the work's transaction):
+# deletes our leases of those names that still carry those tokens and are live now. In:
+# owner, names (sorted: rows locked in one order, like CLAIM), tokens. Rowcount: how many
+# (the caller rolls back unless it is every one).
+RELEASE_FENCED = (
+    "DELETE FROM {t} WHERE owner = %s AND slot = 0 AND name IN ({names}) "
+    "AND token IN ({tokens}) AND expires_at > UTC_TIMESTAMP(6) ORDER BY name"
+)
 # Moves our live lease's end, then reads it back. In: name, owner, ttl_us. No row: not live
 # (the read uses the same instant, so an expired lease is never reported extended).
 EXTEND = """
@@ -262,6 +270,7 @@ class MySQL(RowClaims, LeaseTable):
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
     CLAIM, RELEASE_MANY, EXTEND = CLAIM, RELEASE_MANY, EXTEND
+    RELEASE_FENCED = RELEASE_FENCED
     RELEASE_PREPARED = RELEASE_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
@@ -358,6 +367,14 @@ class MySQL(RowClaims, LeaseTable):
         keys = [name.encode() for name in names]
         sql = self.RELEASE_MANY.format(names=", ".join(["%s"] * len(keys)))
         _, count = yield Query(sql, (owner, *keys))
+        return int(count)
+
+    def release_fenced(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Steps[int]:
+        keys = sorted(name.encode() for name in names)
+        sql = self.RELEASE_FENCED.format(
+            names=", ".join(["%s"] * len(keys)), tokens=", ".join(["%s"] * len(tokens))
+        )
+        _, count = yield Query(sql, (owner, *keys, *tokens))
         return int(count)
 
     def record_get(self, name: str) -> Steps[tuple[str | None, int]]:
