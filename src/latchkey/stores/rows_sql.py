@@ -51,6 +51,11 @@ if TYPE_CHECKING:
     from latchkey.stores.io.aio import AsyncPinned
 
 
+class ClaimRolledBack(Exception):
+    """A claim inside a lease's transaction lost a deadlock: the server rolled back the whole
+    transaction, every claim of it included."""
+
+
 class Statement(NamedTuple):
     """A statement in the driver's own placeholder style (psycopg and PyMySQL ``%s``, sqlite3
     ``?``); ``params`` None: the text is sent as it is (no placeholder processing, so a ``%``
@@ -68,6 +73,9 @@ class Dialect:
     """Encloses an identifier (the core allows only letters, digits and ``_``: no escaping)."""
     BEGIN: str
     """Starts a take's transaction."""
+    LEASE_BEGIN: str
+    """Starts a lease's transaction: each statement must see what others committed before it
+    (READ COMMITTED), so that a read again after a lost claim sees the winners' leases."""
     LOCKING: str
     """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
     LEASE_NAME: str
@@ -83,6 +91,7 @@ class Dialect:
 POSTGRESQL = Dialect(
     quote='"',
     BEGIN="BEGIN",
+    LEASE_BEGIN="BEGIN",
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="convert_to({prefix} || {key}::text, 'UTF8')",
     LIVE="latchkey_lease.expires_at > now()",
@@ -92,6 +101,7 @@ POSTGRESQL = Dialect(
 MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
+    LEASE_BEGIN="SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
     LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
@@ -102,6 +112,7 @@ MYSQL = Dialect(
 SQLITE = Dialect(
     quote='"',
     BEGIN="BEGIN IMMEDIATE",
+    LEASE_BEGIN="BEGIN IMMEDIATE",
     LOCKING="",
     LEASE_NAME="CAST({prefix} || {key} AS BLOB)",
     LIVE="latchkey_lease.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
@@ -254,32 +265,49 @@ class RowClaims:
     ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
         """BEGIN; the due rows with no live lease, ``FOR UPDATE SKIP LOCKED`` (so a
         concurrent lessee's candidates, locked in its own transaction, are not ours: no two
-        lessees collide); claim their names (fenced, as any claim: a row whose lease another
-        committed since our read is simply not granted); COMMIT. A row finished by another
-        worker is not read: its lock made us skip it until its commit, and after the commit
-        it is no longer due (PostgreSQL re-checks ``where`` on the newest row version, InnoDB's
-        locking read reads it), so no second read is needed."""
+        lessees collide); claim their names (fenced, as any claim); COMMIT. A row finished by
+        another worker is not read: its lock made us skip it until its commit, and after the
+        commit it is no longer due (PostgreSQL re-checks ``where`` on the newest row version,
+        InnoDB's locking read reads it), so no second read is needed.
+
+        One race is left: a lessee that commits after our statement's snapshot but before we
+        reach its rows leaves them unlocked and, to our snapshot, unleased; their claims then
+        fail. We read again in the same transaction (READ COMMITTED: a fresh snapshot, which
+        sees those leases; the rows we hold come back first and are dropped), up to
+        ``LEASE_ROUNDS`` times, until the batch is full or nothing new is due."""
         d = self.ROWS
         yield from self.lease_table_ready()
         try:
-            yield Query(d.BEGIN)
+            yield Query(d.LEASE_BEGIN)
         except Exception as exc:
             if not self.write_lock_busy(exc):
                 raise
             return []  # SQLite: other writers kept the database for the whole busy timeout
+        prefix = f"{spec.table}:"
+        leased: list[tuple[dict[str, Any], Grant]] = []
+        seen: set[str] = set()
         try:
-            columns, rows = yield Statement(self.rows_select(spec, limit, d.LOCKING, ""))
-            leased: list[tuple[dict[str, Any], Grant]] = []
-            if rows:
-                prefix = f"{spec.table}:"
-                candidates = {f"{prefix}{row[spec.key]}": row for row in
-                              (dict(zip(columns, r, strict=True)) for r in rows)}  # fmt: skip
-                grants = yield from self.claim_open(list(candidates), owner, owner_info, ttl)
-                leased = [(row, grants[name]) for name, row in candidates.items()
-                          if name in grants]  # fmt: skip
-        except BaseException:
+            for _ in range(LEASE_ROUNDS):
+                want = limit - len(leased)
+                select = self.rows_select(spec, want + len(seen), d.LOCKING, "")
+                columns, rows = yield Statement(select)
+                fresh: dict[str, dict[str, Any]] = {}
+                for row in (dict(zip(columns, r, strict=True)) for r in rows):
+                    name = f"{prefix}{row[spec.key]}"
+                    if name not in seen and len(fresh) < want:
+                        fresh[name] = row
+                if not fresh:
+                    break
+                seen.update(fresh)
+                grants = yield from self.claim_open(list(fresh), owner, owner_info, ttl)
+                leased += [(row, grants[name]) for name, row in fresh.items() if name in grants]
+                if len(grants) == len(fresh):  # no claim lost: all there was, or a full batch
+                    break
+        except BaseException as exc:
             with contextlib.suppress(Exception):  # the first error is the one to raise
                 yield Query("ROLLBACK")
+            if isinstance(exc, ClaimRolledBack):  # nothing is ours: an empty batch
+                return []
             raise
         yield Query("COMMIT")
         return leased
@@ -287,7 +315,9 @@ class RowClaims:
     def claim_open(
         self, names: list[str], owner: str, owner_info: str, ttl: float
     ) -> Steps[dict[str, Grant]]:
-        """The dialect's batch claim, inside the transaction the caller opened."""
+        """The dialect's batch claim, inside the transaction the caller opened; raises
+        :class:`ClaimRolledBack` if the server rolled that transaction back (a lost deadlock
+        on MySQL), so that earlier grants of it are not taken for held."""
         return (yield from self.claim(names, owner, owner_info, ttl))  # type: ignore[attr-defined,no-any-return]
 
     def lease_table_ready(self) -> Steps[None]:
