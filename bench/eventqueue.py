@@ -2,7 +2,8 @@
 """Seed 002: many daemon processes draining one events table (issue 13).
 
     bench/.venv/bin/python bench/eventqueue.py [--stores postgresql,mysql,sqlite]
-        [--subjects naive,for-update,take1,take10,lease10] [--daemons 100] [--sqlite-daemons 8]
+        [--subjects naive,for-update,take1,take10,lease10,lease10c,lease10cb] [--daemons 100]
+        [--sqlite-daemons 8]
         [--rows 3000] [--kill-fraction 0.1] [--rounds normal,kill] [--out results.json]
     bench/.venv/bin/python bench/eventqueue.py --report results.json   # reprint a saved run
 
@@ -29,6 +30,11 @@ Subjects (the raw ones use psycopg 3 and PyMySQL, the drivers latchkey uses; sql
 - ``lease10``: ``store.rows(...).lease(limit=10, ttl=…)``; per row, one transaction of the
   daemon's own connection does ``UPDATE … WHERE id = ? AND processed_at IS NULL`` and, only if
   that changed the row, the record (with ``batch.token(row)``); then ``batch.done(row)``.
+- ``lease10c``: the same lease, but per row ``with batch.complete(row) as tx:`` runs the
+  UPDATE and the record (with ``batch.token(row)``) in one transaction that also ends the
+  row's lease, only if it is still ours (exactly once; one commit per row, not two).
+- ``lease10cb``: the same with one ``batch.complete(*rows)`` for the whole batch (one commit
+  per ten rows, as take10; the batch's work commits together).
 
 The ``kill`` round (take and lease subjects) SIGKILLs about --kill-fraction of the daemons in the
 middle of a batch: a doomed daemon kills itself while handling its r-th row (r random in 1..15),
@@ -62,8 +68,9 @@ for path in (str(HERE), str(HERE.parent)):
 import servers  # noqa: E402
 
 DASH = "\u2013"
-SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10"]
-LATCHKEY_SUBJECTS = {"take1", "take10", "lease10"}
+SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10", "lease10c", "lease10cb"]
+LATCHKEY_SUBJECTS = {"take1", "take10", "lease10", "lease10c", "lease10cb"}
+LEASE_SUBJECTS = {"lease10", "lease10c", "lease10cb"}
 STORES = ["postgresql", "mysql", "sqlite"]
 LEASE_TTL = {"normal": "30s", "kill": "2s"}
 #: Bounds: a daemon gives up after this many seconds or loop turns; the parent waits this long
@@ -284,6 +291,23 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                             batch.execute(record, (row["id"], pid, None))
                             maybe_die()
                         got = len(rows)
+                elif subject in ("lease10c", "lease10cb"):
+                    assert queue is not None
+                    with queue.lease(limit=limit, ttl=cfg["ttl"], wait=0) as batch:
+                        rows = list(batch)
+                        groups = [[r] for r in rows] if subject == "lease10c" else [rows]
+                        for group in groups:
+                            if not group:
+                                continue
+                            try:
+                                with batch.complete(*group) as tx:
+                                    for row in group:
+                                        tx.execute(update, (row["id"],))
+                                        tx.execute(record, (row["id"], pid, batch.token(row)))
+                                        maybe_die()
+                            except latchkey.LockLost:
+                                out["guard"] += len(group)  # rolled back: the row is another's
+                        got = len(rows)
                 else:
                     assert queue is not None
                     with queue.lease(limit=limit, ttl=cfg["ttl"], wait=0) as batch:
@@ -357,7 +381,7 @@ def run_subject(
            "results_dir": str(results_dir)}  # fmt: skip
     cell: dict[str, Any] = {"store": store, "subject": subject, "round": round_, "rep": rep,
                             "daemons": daemons, "rows": args.rows}  # fmt: skip
-    if subject == "lease10":
+    if subject in LEASE_SUBJECTS:
         cell["ttl"] = cfg["ttl"]
     setup = Raw(store, env, db_path)
     try:

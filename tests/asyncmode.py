@@ -76,7 +76,7 @@ class SyncFacade:
 
     _WRAPPED = (
         "AsyncLock", "AsyncSemaphore", "AsyncClaim", "AsyncRecord",
-        "AsyncRows", "AsyncTakeBatch", "AsyncLeaseBatch",
+        "AsyncRows", "AsyncTakeBatch", "AsyncLeaseBatch", "AsyncCompletion",
     )  # fmt: skip
 
     def __init__(self, target: Any, runner: LoopThread) -> None:
@@ -106,7 +106,8 @@ class SyncFacade:
             return lambda *a, **k: runner.run(value(*a[:-1], _awaiting(a[-1]), **k))
         if inspect.iscoroutinefunction(value):
             return lambda *a, **k: self._wrap(runner.run(value(*a, **k)))
-        if callable(value) and name in ("lock", "semaphore", "record", "rows", "take", "lease"):
+        if callable(value) and name in ("lock", "semaphore", "record", "rows", "take", "lease",
+                                               "complete"):
             return lambda *a, **k: self._wrap(value(*a, **k))
         return value
 

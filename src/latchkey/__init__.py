@@ -22,7 +22,7 @@ from latchkey._lock import Lock, Semaphore
 from latchkey._observe import disable_metrics, disable_tracing, enable_metrics, enable_tracing
 from latchkey._owner import Owner
 from latchkey._record import Record
-from latchkey._rows import LeaseBatch, Rows, TakeBatch
+from latchkey._rows import Completion, LeaseBatch, Rows, TakeBatch
 from latchkey._store import Store, connect
 from latchkey._types import Holder, LockInfo, RowState
 from latchkey.errors import (
@@ -42,13 +42,19 @@ if TYPE_CHECKING:
     from latchkey._async.claim import AsyncClaim
     from latchkey._async.lock import AsyncLock, AsyncSemaphore
     from latchkey._async.record import AsyncRecord
-    from latchkey._async.rows import AsyncLeaseBatch, AsyncRows, AsyncTakeBatch
+    from latchkey._async.rows import (
+        AsyncCompletion,
+        AsyncLeaseBatch,
+        AsyncRows,
+        AsyncTakeBatch,
+    )
     from latchkey._async.store import AsyncStore, connect_async
 
 __version__ = "0.2.0.dev0"
 
 _ASYNC = {
     "AsyncClaim": "latchkey._async.claim",
+    "AsyncCompletion": "latchkey._async.rows",
     "AsyncLock": "latchkey._async.lock",
     "AsyncLeaseBatch": "latchkey._async.rows",
     "AsyncRecord": "latchkey._async.record",
@@ -72,6 +78,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncClaim",
+    "AsyncCompletion",
     "AsyncLeaseBatch",
     "AsyncLock",
     "AsyncRecord",
@@ -81,6 +88,7 @@ __all__ = [
     "AsyncTakeBatch",
     "Capabilities",
     "Claim",
+    "Completion",
     "ConfigError",
     "Conflict",
     "Duration",

@@ -1,4 +1,4 @@
-"""Rows, TakeBatch and LeaseBatch: the sync shell over the row-claiming rules
+"""Rows, TakeBatch, LeaseBatch and Completion: the sync shell over the row-claiming rules
 (:mod:`latchkey._core.rows`); the asyncio twin is :mod:`latchkey._async.rows`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
+from latchkey._core.rows import CompleteCore, LeaseCore, RowsCore, TakeCore
 from latchkey._core.store import DEFAULT_TTL
 from latchkey._durations import Duration
 from latchkey._run import run
@@ -116,9 +116,25 @@ class LeaseBatch(LeaseCore):
         super().__init__(rows, limit, ttl, wait, metadata)
         self.store = rows.store
 
-    def done(self, row: Mapping[str, Any]) -> bool:
-        """Release this row's lease now; True if it was still ours and live."""
-        return run(self._done(row), self.store.backend)
+    def done(self, row: Mapping[str, Any], *more: Mapping[str, Any]) -> bool:
+        """Release these rows' leases now (several: in one statement); True if every one was
+        still ours and live (a row done already counts as not).
+
+        .. versionchanged:: 0.2
+           Several rows at once."""
+        return run(self._done((row, *more)), self.store.backend)
+
+    def complete(self, row: Mapping[str, Any], *more: Mapping[str, Any]) -> Completion:
+        """The work of these leased rows and the end of their leases in one transaction, for
+        a ``with`` block: ``tx.execute`` runs statements in it (the driver's placeholder
+        style); at the end of the block the rows' leases are ended *only if still ours and
+        live* (owner and fencing token) and everything commits together — exactly once for
+        work done in the same database. If a lease was lost (its TTL passed), everything is
+        rolled back and :class:`~latchkey.LockLost` is raised; if the block raises, everything
+        is rolled back and the rows stay leased until :meth:`done` or the batch's end.
+
+        .. versionadded:: 0.2"""
+        return Completion(self, (row, *more))
 
     def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         """Run a statement in a short transaction of its own (autocommit), in the driver's
@@ -136,3 +152,33 @@ class LeaseBatch(LeaseCore):
         tb: TracebackType | None,
     ) -> None:
         run(self._end(), self.store.backend)
+
+
+class Completion(CompleteCore):
+    """A ``complete`` block's transaction on one connection: ``execute`` runs statements in
+    it; the block's end commits the work with the end of the rows' leases, or rolls back.
+    See :meth:`LeaseBatch.complete`.
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, batch: LeaseBatch, rows: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(batch, rows)
+        self.store = batch.store
+
+    def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """Run a statement in the block's transaction, in the driver's placeholder style; the
+        rows it produced (none: ``[]``). An error of the statement is the driver's own."""
+        return run(self._execute(sql, params), self.store.backend)
+
+    def __enter__(self) -> Completion:
+        run(self._begin(), self.store.backend)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        run(self._end(exc_type is None), self.store.backend)

@@ -78,3 +78,4 @@ def test_event_queue_howto_runs(events_url: str, tmp_path: Path) -> None:
     label = f"{PAGE.name} on {events_url.split(':', 1)[0]}"
     result = run_examples(script_for(PAGE), tmp_path, events_url, label)
     assert "200 events processed, 200 distinct" in result.stdout
+    assert "0 events left" in result.stdout  # lease + complete marked every new event

@@ -1,7 +1,8 @@
 """Row claiming by several processes over one events table, on each SQL store (issue 13):
 exactly once for ``take`` (each row's work recorded in the same transaction), also when some
 workers are SIGKILLed in the middle of a batch; at least once with strictly increasing
-per-row fencing tokens for ``lease``, under kills too."""
+per-row fencing tokens for ``lease``, under kills too; exactly once for ``lease`` whose work
+commits with the end of the lease (``complete``), under kills too."""
 
 from __future__ import annotations
 
@@ -87,5 +88,19 @@ def test_lease_is_at_least_once_with_increasing_tokens(
         assert seen == sorted(set(seen)), f"row {event_id}: tokens {seen}"
     if not kill:
         assert all(len(seen) == 1 for seen in tokens.values())  # no crash: once each
+    left = db.execute(f"SELECT count(*) FROM {events} WHERE processed_at IS NULL")
+    assert left == [(0,)]
+
+
+@pytest.mark.parametrize("kill", [0, 2], ids=["clean", "sigkill"])
+def test_lease_with_complete_is_exactly_once(
+    db: AppDB, store_url: str, spawn: Any, kill: int
+) -> None:
+    events, done = db.create_events(EVENTS), db.create_done()
+    pause = 0.02 if kill else 0.002
+    run_round(db, spawn, rows_workers.complete_worker, (store_url, events, done, 5, pause), kill)
+    counts = Counter(row[0] for row in db.execute(f"SELECT event_id FROM {done}"))
+    assert sorted(counts) == list(range(1, EVENTS + 1))  # nothing lost
+    assert set(counts.values()) == {1}  # nothing twice
     left = db.execute(f"SELECT count(*) FROM {events} WHERE processed_at IS NULL")
     assert left == [(0,)]

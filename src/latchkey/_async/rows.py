@@ -1,5 +1,5 @@
-"""AsyncRows, AsyncTakeBatch and AsyncLeaseBatch: the asyncio shell over the row-claiming
-rules (:mod:`latchkey._core.rows`), the twins of :mod:`latchkey._rows`."""
+"""AsyncRows, AsyncTakeBatch, AsyncLeaseBatch and AsyncCompletion: the asyncio shell over the
+row-claiming rules (:mod:`latchkey._core.rows`), the twins of :mod:`latchkey._rows`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from latchkey._async._run import arun
-from latchkey._core.rows import LeaseCore, RowsCore, TakeCore
+from latchkey._core.rows import CompleteCore, LeaseCore, RowsCore, TakeCore
 from latchkey._core.store import DEFAULT_TTL
 from latchkey._durations import Duration
 from latchkey._types import RowState
@@ -101,9 +101,14 @@ class AsyncLeaseBatch(LeaseCore):
         super().__init__(rows, limit, ttl, wait, metadata)
         self.store = rows.store
 
-    async def done(self, row: Mapping[str, Any]) -> bool:
+    async def done(self, row: Mapping[str, Any], *more: Mapping[str, Any]) -> bool:
         """See :meth:`latchkey.LeaseBatch.done`."""
-        return await arun(self._done(row), self.store.backend)
+        return await arun(self._done((row, *more)), self.store.backend)
+
+    def complete(self, row: Mapping[str, Any], *more: Mapping[str, Any]) -> AsyncCompletion:
+        """See :meth:`latchkey.LeaseBatch.complete`: ``async with batch.complete(row) as tx:
+        await tx.execute(…)``."""
+        return AsyncCompletion(self, (row, *more))
 
     async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         """See :meth:`latchkey.LeaseBatch.execute`."""
@@ -120,3 +125,30 @@ class AsyncLeaseBatch(LeaseCore):
         tb: TracebackType | None,
     ) -> None:
         await arun(self._end(), self.store.backend)
+
+
+class AsyncCompletion(CompleteCore):
+    """:class:`latchkey.Completion` for asyncio (``await tx.execute(…)``).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, batch: AsyncLeaseBatch, rows: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(batch, rows)
+        self.store = batch.store
+
+    async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        """See :meth:`latchkey.Completion.execute`."""
+        return await arun(self._execute(sql, params), self.store.backend)
+
+    async def __aenter__(self) -> AsyncCompletion:
+        await arun(self._begin(), self.store.backend)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await arun(self._end(exc_type is None), self.store.backend)

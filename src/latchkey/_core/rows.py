@@ -9,9 +9,15 @@
   backoff until a row is due or ``wait`` is over; the batch ends in COMMIT, or ROLLBACK when
   the ``with`` body raised (the rows are due again at once);
 - :class:`LeaseCore`: a ``lease`` batch — leases on the due, unleased rows (lease names
-  ``<table>:<key>``, one owner for the batch, fenced like any lock), ``done(row)`` releases
-  one, the end of the batch releases every lease not done (on an exception too: the rows are
-  due again at once). A crashed worker's leases end by their TTL.
+  ``<table>:<key>``, one owner for the batch, fenced like any lock), ``done(row, …)``
+  releases some, the end of the batch releases every lease not done (on an exception too:
+  the rows are due again at once). A crashed worker's leases end by their TTL;
+- :class:`CompleteCore`: ``complete(row, …)`` — the work of leased rows and the end of their
+  leases in one transaction: the store opens it on a connection held for the block, the
+  application's statements run in it, and at the end the leases are deleted only if still
+  ours and live (owner and fencing token), then COMMIT; a lost lease rolls everything back
+  and raises :class:`~latchkey.LockLost`; an exception in the block rolls back too (the rows
+  stay leased until the batch ends).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from latchkey._core.waiting import CAP_POLLING, Backoff
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._owner import Owner, new_owner_token
 from latchkey._types import Grant, RowSpec, RowState
-from latchkey.errors import ConfigError, InvalidName, InvalidValue, Unsupported
+from latchkey.errors import ConfigError, InvalidName, InvalidValue, LockLost, Unsupported
 
 log = logging.getLogger("latchkey")
 
@@ -242,12 +248,29 @@ class LeaseCore(BatchCore):
         """True once the leases' TTL has passed: stop working on the batch."""
         return time.monotonic() >= self._deadline
 
-    def _done(self, row: Mapping[str, Any]) -> Steps[bool]:
-        name = self.name_of(row)
-        if name not in self._held:
+    def _done(self, rows: Sequence[Mapping[str, Any]]) -> Steps[bool]:
+        names = list(dict.fromkeys(self.name_of(row) for row in rows))
+        held = [name for name in names if name in self._held]
+        self._held.difference_update(held)
+        if not held:
             return False
-        self._held.discard(name)
-        return (yield call("release", name, self._owner))  # type: ignore[no-any-return]
+        if len(held) == 1:
+            live = yield call("release", held[0], self._owner)
+        else:  # one statement for them all
+            live = (yield call("release_many", held, self._owner)) == len(held)
+        return bool(live) and len(held) == len(names)
+
+    def _held_names(self, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+        """The lease names of ``rows``, each a row this batch still holds (InvalidValue
+        otherwise, before any I/O)."""
+        names = list(dict.fromkeys(self.name_of(row) for row in rows))
+        for name in names:
+            if name not in self._held:
+                raise InvalidValue(
+                    f"rows: {name!r} is not held by this batch (not one of its rows, or done "
+                    "or completed already)"
+                )
+        return names
 
     def _end(self) -> Steps[int]:
         names = sorted(self._held)
@@ -264,3 +287,54 @@ class LeaseCore(BatchCore):
             f"<{type(self).__name__} {self.spec.table} rows={len(self.rows)} "
             f"held={len(self._held)}>"
         )
+
+
+class CompleteCore:
+    """The work of some leased rows and the end of their leases, in one transaction. Not
+    public: see :class:`latchkey.Completion`."""
+
+    def __init__(self, lease: LeaseCore, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            raise InvalidValue("rows: complete needs at least one row")
+        self.lease = lease
+        self.names = lease._held_names(rows)
+        self.tokens = [lease._grants[name].token for name in self.names]
+        self._handle: Any = None
+        self._used = False
+
+    def _begin(self) -> Steps[None]:
+        if self._used:
+            raise InvalidValue("rows: a complete block runs once")
+        self._used = True
+        for name in self.names:  # done in between?
+            if name not in self.lease._held:
+                raise InvalidValue(f"rows: {name!r} was done or completed already")
+        self._handle = yield call("rows_complete", self.names, self.lease._owner, self.tokens)
+
+    def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]:
+        if self._handle is None:
+            raise InvalidValue("rows: execute needs an open complete block")
+        return (yield on(self._handle, "execute", sql, params))  # type: ignore[no-any-return]
+
+    def _end(self, commit: bool) -> Steps[None]:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        if not commit:  # the block raised: nothing of it commits; the leases stay ours
+            try:
+                yield on(handle, "finish", False)
+            except Exception as exc:  # the body's error is the one to raise
+                log.warning("rows: rollback of a complete on %s failed: %s",
+                            self.lease.spec.table, exc)  # fmt: skip
+            return
+        committed = yield on(handle, "finish", True)
+        self.lease._held.difference_update(self.names)  # ended, or not ours any more
+        if not committed:
+            raise LockLost(
+                f"rows: the lease of {', '.join(map(repr, self.names))} was lost (its TTL "
+                "passed; another worker may hold it now): the work was rolled back"
+            )
+
+    def __repr__(self) -> str:
+        state = "open" if self._handle is not None else "closed"
+        return f"<{type(self).__name__} {', '.join(self.names)} {state}>"

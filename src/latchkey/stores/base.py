@@ -278,6 +278,14 @@ class Backend(BackendBase, abc.ABC):
         """Lease up to ``limit`` due rows with no live lease (names ``<table>:<key>``)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
+    def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:
+        """Open a transaction on a connection held for the caller, for the work of leased
+        rows, and return the handle: ``.execute(sql, params)`` in that transaction,
+        ``.finish(commit)``: with ``commit``, end the leases of ``names`` if every one is still
+        ``owner``'s and live with its token in ``tokens``, then COMMIT (True), else ROLLBACK
+        everything (False); without, ROLLBACK. The connection then goes back."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
     def rows_execute(self, sql: str, params: Any) -> RowTuples:
         """The application's statement, in its own short transaction (autocommit)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
@@ -435,6 +443,9 @@ class AsyncBackend(BackendBase, abc.ABC):
     async def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> LeasedRows:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def rows_execute(self, sql: str, params: Any) -> RowTuples:

@@ -43,7 +43,7 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, connect_args
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
-from latchkey.stores.rows_sql import MYSQL, RowClaims
+from latchkey.stores.rows_sql import MYSQL, ClaimRolledBack, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
@@ -200,6 +200,14 @@ RELEASE_PREPARED = RELEASE.replace("%s", "?")
 RELEASE_MANY = (
     "DELETE FROM {t} WHERE owner = %s AND name IN ({names}) AND expires_at > UTC_TIMESTAMP(6)"
 )
+# A row lease's work commits with its end (rows ``complete``, inside the work's transaction):
+# deletes our leases of those names that still carry those tokens and are live now. In:
+# owner, names (sorted: rows locked in one order, like CLAIM), tokens. Rowcount: how many
+# (the caller rolls back unless it is every one).
+RELEASE_FENCED = (
+    "DELETE FROM {t} WHERE owner = %s AND slot = 0 AND name IN ({names}) "
+    "AND token IN ({tokens}) AND expires_at > UTC_TIMESTAMP(6) ORDER BY name"
+)
 # Moves our live lease's end, then reads it back. In: name, owner, ttl_us. No row: not live
 # (the read uses the same instant, so an expired lease is never reported extended).
 EXTEND = """
@@ -262,6 +270,7 @@ class MySQL(RowClaims, LeaseTable):
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
     CLAIM, RELEASE_MANY, EXTEND = CLAIM, RELEASE_MANY, EXTEND
+    RELEASE_FENCED = RELEASE_FENCED
     RELEASE_PREPARED = RELEASE_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
@@ -341,15 +350,30 @@ class MySQL(RowClaims, LeaseTable):
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
     ) -> Steps[dict[str, Grant]]:
+        try:
+            return (yield from self._claim(names, owner, owner_info, ttl))
+        except Contended:
+            return {}  # lost a deadlock to another claim: every name was contended just now
+
+    def claim_open(
+        self, names: list[str], owner: str, owner_info: str, ttl: float
+    ) -> Steps[dict[str, Grant]]:
+        """Inside a lease's transaction: a lost deadlock rolled all of it back (a lock-wait
+        timeout only the statement, but the caller rolls back either way)."""
+        try:
+            return (yield from self._claim(names, owner, owner_info, ttl))
+        except Contended:
+            raise ClaimRolledBack from None
+
+    def _claim(
+        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
+    ) -> Steps[dict[str, Grant]]:
         if not names:
             return {}
         keys = sorted(name.encode() for name in names)
         marks = ", ".join(["%s"] * len(keys))
         sql = self.CLAIM.format(rows=", ".join([CLAIM_ROW] * len(keys)), names=marks)
-        try:
-            rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
-        except Contended:
-            return {}  # lost a deadlock to another claim: every name was contended just now
+        rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
         return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
@@ -358,6 +382,14 @@ class MySQL(RowClaims, LeaseTable):
         keys = [name.encode() for name in names]
         sql = self.RELEASE_MANY.format(names=", ".join(["%s"] * len(keys)))
         _, count = yield Query(sql, (owner, *keys))
+        return int(count)
+
+    def release_fenced(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Steps[int]:
+        keys = sorted(name.encode() for name in names)
+        sql = self.RELEASE_FENCED.format(
+            names=", ".join(["%s"] * len(keys)), tokens=", ".join(["%s"] * len(tokens))
+        )
+        _, count = yield Query(sql, (owner, *keys, *tokens))
         return int(count)
 
     def record_get(self, name: str) -> Steps[tuple[str | None, int]]:

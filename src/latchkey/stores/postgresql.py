@@ -261,6 +261,18 @@ ORDER BY n.name {TAKE_OVER} RETURNING l.name, l.token, l.expires_at"""
 )
 SELECT count(*) FILTER (WHERE live)
 FROM (SELECT live, pg_notify('{t}', encode(name, 'hex')) FROM gone) AS notified"""
+    # In: names (bytea[]), owner, tokens (bigint[]). A row lease's work commits with its end
+    # (rows ``complete``, inside the work's transaction): deletes owner's leases of those
+    # names that still carry those tokens and are live at this statement's start (not the
+    # transaction's: the work took time), locked in name order like CLAIM; notifies waiters
+    # at commit. Out: one row per lease ended (the caller rolls back unless it got them all).
+    RELEASE_FENCED = """WITH mine AS (
+    SELECT ctid FROM {s}"{t}" WHERE name = ANY($1::bytea[]) AND slot = 0 AND owner = $2
+      AND token = ANY($3::bigint[]) AND expires_at > statement_timestamp()
+    ORDER BY name FOR UPDATE
+)
+DELETE FROM {s}"{t}" AS l USING mine WHERE l.ctid = mine.ctid
+RETURNING pg_notify('{t}', encode(l.name, 'hex'))"""
     # In: name. Out: (value, version) or no row.
     RECORD_GET = """SELECT value, version FROM {s}"{t}_records" WHERE name = $1"""
     # In: name, value. Creates the record at version 1 unless it exists. Out: a row or none.
@@ -332,6 +344,11 @@ SELECT EXISTS (SELECT 1 FROM gone)
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
         rows, _ = yield Query(self.RELEASE_MANY, ([n.encode() for n in names], owner))
         return int(rows[0][0])
+
+    def release_fenced(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Steps[int]:
+        params = ([n.encode() for n in names], owner, list(tokens))
+        rows, _ = yield Query(self.RELEASE_FENCED, params)
+        return len(rows)
 
     def record_delete(self, name: str, version: int) -> Steps[bool]:
         rows, _ = yield Query(self.RECORD_DELETE, (name.encode(), version))

@@ -246,6 +246,18 @@ class StoreBackend(Backend):
 
         return Taken(pin, rows, taken)
 
+    def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:
+        rows = self._rows()
+        pin = self.io.pin()  # type: ignore[attr-defined]
+        try:
+            pin.run(rows.rows_complete_begin(), "begin")
+        except BaseException:
+            pin.release(not pin.broken)
+            raise
+        from latchkey.stores.rows_sql import Completing
+
+        return Completing(pin, rows, names, owner, tokens)
+
     def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> LeasedRows:
@@ -393,6 +405,18 @@ class AsyncStoreBackend(AsyncBackend):
         from latchkey.stores.rows_sql import AsyncTaken
 
         return AsyncTaken(pin, rows, taken)
+
+    async def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:
+        rows = self._rows()
+        pin = await self.io.pin()  # type: ignore[attr-defined]
+        try:
+            await pin.run(rows.rows_complete_begin(), "begin")
+        except BaseException:
+            await pin.release(not pin.broken)
+            raise
+        from latchkey.stores.rows_sql import AsyncCompleting
+
+        return AsyncCompleting(pin, rows, names, owner, tokens)
 
     async def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int

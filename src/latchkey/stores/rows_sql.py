@@ -8,9 +8,17 @@ Two ways to claim rows (DESIGN.md §7):
   SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``, which serialises writers), the
   application's statements run in that transaction, and the batch ends in COMMIT or ROLLBACK;
 - *lease*: the due rows that have no live lease in latchkey's lease table get one, named
-  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock); the
-  rows are then read again, and those no longer due (another worker finished them between
-  our two reads) are released at once. No transaction stays open while the work runs.
+  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock). Where
+  the server has SKIP LOCKED (PostgreSQL, MySQL 8, MariaDB ≥ 10.6) and on SQLite, in one short
+  transaction: the candidates are read ``FOR UPDATE SKIP LOCKED`` (SQLite: inside ``BEGIN
+  IMMEDIATE``), so concurrent lessees get disjoint rows, then claimed, then COMMIT. Elsewhere
+  (MySQL/MariaDB without SKIP LOCKED) the candidates are read and claimed in autocommit
+  statements, then read again, and those no longer due (another worker finished them
+  between our two reads) are released at once. No transaction stays open while the work
+  runs;
+- *complete*: a leased row's work and the end of its lease in one transaction on a pinned
+  connection: the application's statements, then the rows' leases deleted only if still
+  ours and live (owner and fencing token), then COMMIT — or ROLLBACK if a lease was lost.
 
 :class:`RowClaims` holds the control flow once; a dialect (:data:`POSTGRESQL`, :data:`MYSQL`,
 :data:`SQLITE`) supplies the spelling: identifier quoting, the placeholder, how a transaction
@@ -26,8 +34,10 @@ so). ``table``, ``key`` and ``columns`` are identifiers, validated by the core a
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -39,6 +49,11 @@ from latchkey.stores.sql import Query
 if TYPE_CHECKING:
     from latchkey.stores.io import Pinned
     from latchkey.stores.io.aio import AsyncPinned
+
+
+class ClaimRolledBack(Exception):
+    """A claim inside a lease's transaction lost a deadlock: the server rolled back the whole
+    transaction, every claim of it included."""
 
 
 class Statement(NamedTuple):
@@ -58,6 +73,9 @@ class Dialect:
     """Encloses an identifier (the core allows only letters, digits and ``_``: no escaping)."""
     BEGIN: str
     """Starts a take's transaction."""
+    LEASE_BEGIN: str
+    """Starts a lease's transaction: each statement must see what others committed before it
+    (READ COMMITTED), so that a read again after a lost claim sees the winners' leases."""
     LOCKING: str
     """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
     LEASE_NAME: str
@@ -73,6 +91,7 @@ class Dialect:
 POSTGRESQL = Dialect(
     quote='"',
     BEGIN="BEGIN",
+    LEASE_BEGIN="BEGIN",
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="convert_to({prefix} || {key}::text, 'UTF8')",
     LIVE="latchkey_lease.expires_at > now()",
@@ -82,6 +101,7 @@ POSTGRESQL = Dialect(
 MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
+    LEASE_BEGIN="SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
     LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
@@ -92,6 +112,7 @@ MYSQL = Dialect(
 SQLITE = Dialect(
     quote='"',
     BEGIN="BEGIN IMMEDIATE",
+    LEASE_BEGIN="BEGIN IMMEDIATE",
     LOCKING="",
     LEASE_NAME="CAST({prefix} || {key} AS BLOB)",
     LIVE="latchkey_lease.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
@@ -232,7 +253,85 @@ class RowClaims:
     def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
-        """Lease up to ``limit`` due rows with no live lease: read them, claim their names
+        """Lease up to ``limit`` due rows with no live lease: in one transaction that locks
+        its candidates where the server can skip locked rows (and on SQLite, whose write
+        transaction serialises lessees), else by reads and a claim in autocommit."""
+        if self.ROWS is SQLITE or (yield from self.has_skip_locked()):
+            return (yield from self.rows_lease_locked(spec, owner, owner_info, ttl, limit))
+        return (yield from self.rows_lease_read(spec, owner, owner_info, ttl, limit))
+
+    def rows_lease_locked(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
+        """BEGIN; the due rows with no live lease, ``FOR UPDATE SKIP LOCKED`` (so a
+        concurrent lessee's candidates, locked in its own transaction, are not ours: no two
+        lessees collide); claim their names (fenced, as any claim); COMMIT. A row finished by
+        another worker is not read: its lock made us skip it until its commit, and after the
+        commit it is no longer due (PostgreSQL re-checks ``where`` on the newest row version,
+        InnoDB's locking read reads it), so no second read is needed.
+
+        One race is left: a lessee that commits after our statement's snapshot but before we
+        reach its rows leaves them unlocked and, to our snapshot, unleased; their claims then
+        fail. We read again in the same transaction (READ COMMITTED: a fresh snapshot, which
+        sees those leases; the rows we hold come back first and are dropped), up to
+        ``LEASE_ROUNDS`` times, until the batch is full or nothing new is due."""
+        d = self.ROWS
+        yield from self.lease_table_ready()
+        try:
+            yield Query(d.LEASE_BEGIN)
+        except Exception as exc:
+            if not self.write_lock_busy(exc):
+                raise
+            return []  # SQLite: other writers kept the database for the whole busy timeout
+        prefix = f"{spec.table}:"
+        leased: list[tuple[dict[str, Any], Grant]] = []
+        seen: set[str] = set()
+        try:
+            for _ in range(LEASE_ROUNDS):
+                want = limit - len(leased)
+                select = self.rows_select(spec, want + len(seen), d.LOCKING, "")
+                columns, rows = yield Statement(select)
+                fresh: dict[str, dict[str, Any]] = {}
+                for row in (dict(zip(columns, r, strict=True)) for r in rows):
+                    name = f"{prefix}{row[spec.key]}"
+                    if name not in seen and len(fresh) < want:
+                        fresh[name] = row
+                if not fresh:
+                    break
+                seen.update(fresh)
+                grants = yield from self.claim_open(list(fresh), owner, owner_info, ttl)
+                leased += [(row, grants[name]) for name, row in fresh.items() if name in grants]
+                if len(grants) == len(fresh):  # no claim lost: all there was, or a full batch
+                    break
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the first error is the one to raise
+                yield Query("ROLLBACK")
+            if isinstance(exc, ClaimRolledBack):  # nothing is ours: an empty batch
+                return []
+            raise
+        yield Query("COMMIT")
+        return leased
+
+    def claim_open(
+        self, names: list[str], owner: str, owner_info: str, ttl: float
+    ) -> Steps[dict[str, Grant]]:
+        """The dialect's batch claim, inside the transaction the caller opened; raises
+        :class:`ClaimRolledBack` if the server rolled that transaction back (a lost deadlock
+        on MySQL), so that earlier grants of it are not taken for held."""
+        return (yield from self.claim(names, owner, owner_info, ttl))  # type: ignore[attr-defined,no-any-return]
+
+    def lease_table_ready(self) -> Steps[None]:
+        """Once per store: touch the lease table outside any transaction, so that a store
+        that creates it on first use (PostgreSQL) does so before a lease's transaction
+        names it."""
+        if not getattr(self, "_lease_table_ready", False):
+            yield Query(f"SELECT 1 FROM {self.lease_table()} WHERE 1 = 0")
+            self._lease_table_ready = True
+
+    def rows_lease_read(
+        self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
+    ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
+        """Without SKIP LOCKED: read the due rows with no live lease, claim their names
         (the dialect's batch claim: one atomic transaction, fenced), read the rows we now
         hold again and give back those no longer due (finished by another worker between
         the two reads). Autocommit statements: each sees what others committed before it."""
@@ -264,6 +363,34 @@ class RowClaims:
         if gone:
             yield from self.release_many(gone, owner)  # type: ignore[attr-defined]
         return [(due[name], grants[name]) for name in names if name in grants and name in due]
+
+    # -- complete: a leased row's work and its release, one transaction -------------------
+
+    def rows_complete_begin(self) -> Steps[None]:
+        """Open the transaction of a ``complete`` (on a pinned connection)."""
+        yield Query(self.ROWS.BEGIN)
+
+    def rows_complete_end(
+        self, commit: bool, names: Sequence[str], owner: str, tokens: Sequence[int]
+    ) -> Steps[bool]:
+        """End a ``complete``: with ``commit``, delete the rows' leases if every one is still
+        ours and live (owner and token: never another's), then COMMIT; if one was lost,
+        ROLLBACK the whole transaction, the work included. True if committed."""
+        if not commit:
+            yield Query("ROLLBACK")
+            return False
+        try:
+            ours = yield from self.release_fenced(names, owner, tokens)  # type: ignore[attr-defined]
+        except BaseException:
+            with contextlib.suppress(Exception):
+                yield Query("ROLLBACK")
+            raise
+        if ours != len(names):
+            yield Query("ROLLBACK")
+            return False
+        yield Query("COMMIT")
+        yield from self.released(tuple(names))  # type: ignore[attr-defined]
+        return True
 
     # -- status (the CLI) ----------------------------------------------------------------------
 
@@ -325,18 +452,36 @@ class Taken:
     def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         return self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
-    def finish(self, commit: bool) -> None:
+    def end(self, commit: bool) -> Steps[Any]:
+        return self.store.rows_end(commit)
+
+    def finish(self, commit: bool) -> Any:
         if self.pin.broken:  # the server ends the transaction with the connection
             self.pin.release(False)
             if commit:
                 raise_not_committed(self.pin.driver.backend)
-            return
+            return None
         ok = False
         try:
-            self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
+            result = self.pin.run(self.end(commit), "commit" if commit else "rollback")
             ok = True
         finally:
             self.pin.release(ok)
+        return result
+
+
+class Completing(Taken):
+    """A ``complete``'s open transaction: the application's statements, then (``finish``)
+    the rows' fenced release and COMMIT, or ROLLBACK; ``finish(True)`` answers whether it
+    committed (False: a lease was lost, everything was rolled back)."""
+
+    def __init__(self, pin: Pinned, store: RowClaims, names: Sequence[str], owner: str,
+                 tokens: Sequence[int]) -> None:  # fmt: skip
+        super().__init__(pin, store, [])
+        self.names, self.owner, self.tokens = names, owner, tokens
+
+    def end(self, commit: bool) -> Steps[Any]:
+        return self.store.rows_complete_end(commit, self.names, self.owner, self.tokens)
 
 
 class AsyncTaken:
@@ -348,15 +493,31 @@ class AsyncTaken:
     async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         return await self.pin.run(self.store.rows_execute(sql, params), "execute", user=True)
 
-    async def finish(self, commit: bool) -> None:
+    def end(self, commit: bool) -> Steps[Any]:
+        return self.store.rows_end(commit)
+
+    async def finish(self, commit: bool) -> Any:
         if self.pin.broken:
             await self.pin.release(False)
             if commit:
                 raise_not_committed(self.pin.driver.backend)
-            return
+            return None
         ok = False
         try:
-            await self.pin.run(self.store.rows_end(commit), "commit" if commit else "rollback")
+            result = await self.pin.run(self.end(commit), "commit" if commit else "rollback")
             ok = True
         finally:
             await self.pin.release(ok)
+        return result
+
+
+class AsyncCompleting(AsyncTaken):
+    """:class:`Completing` for asyncio."""
+
+    def __init__(self, pin: AsyncPinned, store: RowClaims, names: Sequence[str], owner: str,
+                 tokens: Sequence[int]) -> None:  # fmt: skip
+        super().__init__(pin, store, [])
+        self.names, self.owner, self.tokens = names, owner, tokens
+
+    def end(self, commit: bool) -> Steps[Any]:
+        return self.store.rows_complete_end(commit, self.names, self.owner, self.tokens)

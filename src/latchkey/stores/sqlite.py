@@ -243,6 +243,28 @@ class SQLite(RowClaims, LeaseTable):
     def released(self, names: tuple[str, ...], everyone: bool = False) -> Steps[None]:
         yield Ring(names, everyone)
 
+    def claim_open(
+        self, names: list[str], owner: str, owner_info: str, ttl: float
+    ) -> Steps[dict[str, Grant]]:
+        """The claim inside a lease's own ``BEGIN IMMEDIATE`` transaction."""
+        return (yield from self._claim([name.encode() for name in names], owner, owner_info, ttl))
+
+    def release_fenced(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Steps[int]:
+        """Inside a ``complete``'s transaction: delete our live leases of ``names`` that still
+        carry ``tokens``; how many (the caller rolls back unless it is every one)."""
+        ended = 0
+        pairs = list(zip((name.encode() for name in names), tokens, strict=True))
+        for chunk in chunks(pairs, CHUNK):
+            marks = ",".join("?" * len(chunk))
+            sql = (
+                f"DELETE FROM {self.table} WHERE owner = ? AND slot = 0 AND name IN ({marks}) "
+                f"AND token IN ({marks}) AND expires_at > {NOW_MS} RETURNING 1"
+            )
+            params = (owner, *(key for key, _ in chunk), *(token for _, token in chunk))
+            rows, _ = yield Query(sql, params)
+            ended += len(rows)
+        return ended
+
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Any]:
