@@ -29,6 +29,12 @@ def db(store: latchkey.Store, store_url: str) -> Iterator[AppDB]:
     finally:
         app.close()
 
+#: Why the tests of the lease's locking read skip MySQL/MariaDB.
+MYSQL_READS = (
+    "MySQL/MariaDB leases read and claim in autocommit (slower there with locking reads: "
+    "rows_sql.rows_lease), so a concurrent lessee may collide and a locked row is not skipped"
+)
+
 
 def processed(db: AppDB, table: str) -> list[int]:
     return [
@@ -329,6 +335,8 @@ def test_a_lease_skips_rows_a_transaction_has_locked(store: latchkey.Store, db: 
     locked by another transaction (here a take's) are not leased, nor waited for."""
     if store.scheme == "sqlite":
         pytest.skip("SQLite locks the database, not rows: a take holds it for its batch")
+    if store.scheme == "mysql":
+        pytest.skip(MYSQL_READS)
     table = db.create_events(5)
     queue = store.rows(table, where="processed_at IS NULL", order_by="id")
     with queue.take(limit=2) as taken:
@@ -346,6 +354,8 @@ def test_a_lease_skips_rows_a_transaction_has_locked(store: latchkey.Store, db: 
 def test_concurrent_lessees_get_full_disjoint_batches(store: latchkey.Store, db: AppDB) -> None:
     """Lessees asking at the same moment do not collide on the same first rows: each gets a
     full batch of its own, in one claim."""
+    if store.scheme == "mysql":
+        pytest.skip(MYSQL_READS)
     lessees, limit = 6, 5
     table = db.create_events(lessees * limit)
     queue = store.rows(table, where="processed_at IS NULL", order_by="id")
@@ -469,10 +479,11 @@ def test_complete_on_a_lost_lease_rolls_back_and_raises(
 def test_lease_without_skip_locked_still_leases_correctly(
     store: latchkey.Store, db: AppDB
 ) -> None:
-    """MySQL < 8.0.1 and MariaDB < 10.6 have no SKIP LOCKED: leases read, claim and read
-    again in autocommit statements. Played here by telling the store its server lacks it."""
+    """Leases on MySQL/MariaDB read, claim and read again in autocommit statements (the
+    path every MySQL/MariaDB lease takes, SKIP LOCKED or not); told here that its server
+    lacks SKIP LOCKED, as MySQL < 8.0.1 and MariaDB < 10.6 do, which take refuses."""
     if store.scheme != "mysql":
-        pytest.skip("the read path is MySQL/MariaDB's without SKIP LOCKED")
+        pytest.skip("the read path is MySQL/MariaDB's")
     sql_store = store.backend.store
     sql_store._skip_locked, sql_store._server_version = False, "5.7.44"
     table = db.create_events(5)

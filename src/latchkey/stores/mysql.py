@@ -43,7 +43,7 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, connect_args
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
-from latchkey.stores.rows_sql import MYSQL, ClaimRolledBack, RowClaims
+from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
@@ -350,30 +350,15 @@ class MySQL(RowClaims, LeaseTable):
     def claim(
         self, names: Sequence[str], owner: str, owner_info: str, ttl: float
     ) -> Steps[dict[str, Grant]]:
-        try:
-            return (yield from self._claim(names, owner, owner_info, ttl))
-        except Contended:
-            return {}  # lost a deadlock to another claim: every name was contended just now
-
-    def claim_open(
-        self, names: list[str], owner: str, owner_info: str, ttl: float
-    ) -> Steps[dict[str, Grant]]:
-        """Inside a lease's transaction: a lost deadlock rolled all of it back (a lock-wait
-        timeout only the statement, but the caller rolls back either way)."""
-        try:
-            return (yield from self._claim(names, owner, owner_info, ttl))
-        except Contended:
-            raise ClaimRolledBack from None
-
-    def _claim(
-        self, names: Sequence[str], owner: str, owner_info: str, ttl: float
-    ) -> Steps[dict[str, Grant]]:
         if not names:
             return {}
         keys = sorted(name.encode() for name in names)
         marks = ", ".join(["%s"] * len(keys))
         sql = self.CLAIM.format(rows=", ".join([CLAIM_ROW] * len(keys)), names=marks)
-        rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
+        try:
+            rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
+        except Contended:
+            return {}  # lost a deadlock to another claim: every name was contended just now
         return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:

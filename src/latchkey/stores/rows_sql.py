@@ -51,11 +51,6 @@ if TYPE_CHECKING:
     from latchkey.stores.io.aio import AsyncPinned
 
 
-class ClaimRolledBack(Exception):
-    """A claim inside a lease's transaction lost a deadlock: the server rolled back the whole
-    transaction, every claim of it included."""
-
-
 class Statement(NamedTuple):
     """A statement in the driver's own placeholder style (psycopg and PyMySQL ``%s``, sqlite3
     ``?``); ``params`` None: the text is sent as it is (no placeholder processing, so a ``%``
@@ -101,7 +96,7 @@ POSTGRESQL = Dialect(
 MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
-    LEASE_BEGIN="SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
+    LEASE_BEGIN="",  # leases read and claim in autocommit here (rows_lease says why)
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
     LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
@@ -253,12 +248,18 @@ class RowClaims:
     def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
-        """Lease up to ``limit`` due rows with no live lease: in one transaction that locks
-        its candidates where the server can skip locked rows (and on SQLite, whose write
-        transaction serialises lessees), else by reads and a claim in autocommit."""
-        if self.ROWS is SQLITE or (yield from self.has_skip_locked()):
-            return (yield from self.rows_lease_locked(spec, owner, owner_info, ttl, limit))
-        return (yield from self.rows_lease_read(spec, owner, owner_info, ttl, limit))
+        """Lease up to ``limit`` due rows with no live lease: on PostgreSQL and SQLite in one
+        transaction that locks its candidates (SQLite: whose write transaction serialises
+        lessees); on MySQL/MariaDB by reads and a claim in autocommit.
+
+        Why not the locked path on MySQL/MariaDB, which has SKIP LOCKED too: at 100 lessees
+        on MariaDB 10.11 it ran 2.6-4.8x slower than the reads (lease10 167-300 rows/s
+        against 803-824, deadlocks between the lessees' lease-table inserts and the locking
+        reads' next-key locks retried by the hundred; docs/benchmarks.md), where on
+        PostgreSQL it is faster than the reads."""
+        if self.ROWS is MYSQL:
+            return (yield from self.rows_lease_read(spec, owner, owner_info, ttl, limit))
+        return (yield from self.rows_lease_locked(spec, owner, owner_info, ttl, limit))
 
     def rows_lease_locked(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
@@ -303,11 +304,9 @@ class RowClaims:
                 leased += [(row, grants[name]) for name, row in fresh.items() if name in grants]
                 if len(grants) == len(fresh):  # no claim lost: all there was, or a full batch
                     break
-        except BaseException as exc:
+        except BaseException:
             with contextlib.suppress(Exception):  # the first error is the one to raise
                 yield Query("ROLLBACK")
-            if isinstance(exc, ClaimRolledBack):  # nothing is ours: an empty batch
-                return []
             raise
         yield Query("COMMIT")
         return leased
@@ -315,9 +314,7 @@ class RowClaims:
     def claim_open(
         self, names: list[str], owner: str, owner_info: str, ttl: float
     ) -> Steps[dict[str, Grant]]:
-        """The dialect's batch claim, inside the transaction the caller opened; raises
-        :class:`ClaimRolledBack` if the server rolled that transaction back (a lost deadlock
-        on MySQL), so that earlier grants of it are not taken for held."""
+        """The dialect's batch claim, inside the transaction the caller opened."""
         return (yield from self.claim(names, owner, owner_info, ttl))  # type: ignore[attr-defined,no-any-return]
 
     def lease_table_ready(self) -> Steps[None]:
