@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,33 +67,46 @@ async def async_pairs_for(store: latchkey.AsyncStore, name: str, seconds: float)
     return pairs / (time.perf_counter() - started)
 
 
+def abba(
+    sync_rate: Callable[[float], float],
+    async_rate: Callable[[float], Awaitable[float]],
+    loop: asyncio.AbstractEventLoop,
+    slices: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """Sync and asyncio slices of ``seconds`` each, alternating ABBA after a warm-up of both:
+    the median of the per-pair ratios async/sync, their range, and the median rates."""
+    sync_rate(0.3)
+    loop.run_until_complete(async_rate(0.3))
+    ratios, sync_rates, async_rates = [], [], []
+    for i in range(slices):
+        rates: dict[int, float] = {}
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            if which == 0:
+                rates[0] = sync_rate(seconds)
+            else:
+                rates[1] = loop.run_until_complete(async_rate(seconds))
+        sync_rates.append(rates[0])
+        async_rates.append(rates[1])
+        ratios.append(rates[1] / rates[0])
+    med = statistics.median
+    return {
+        "ratio": med(ratios), "range": [min(ratios), max(ratios)],
+        "sync": med(sync_rates), "async": med(async_rates),
+    }  # fmt: skip
+
+
 def paired_a(url: str, slices: int, seconds: float, tag: str) -> dict[str, Any]:
     loop = asyncio.new_event_loop()
     sync_store = latchkey.connect(url)
     async_store = latchkey.connect_async(url)
+    name = f"aa:{tag}"
     try:
-        name = f"aa:{tag}"
-        sync_pairs_for(sync_store, name, 0.3)  # warm up both
-        loop.run_until_complete(async_pairs_for(async_store, name + ":a", 0.3))
-        ratios, sync_rates, async_rates = [], [], []
-        for i in range(slices):
-            order = (0, 1) if i % 2 == 0 else (1, 0)
-            rates = {}
-            for which in order:
-                if which == 0:
-                    rates[0] = sync_pairs_for(sync_store, name, seconds)
-                else:
-                    rates[1] = loop.run_until_complete(
-                        async_pairs_for(async_store, name + ":a", seconds)
-                    )
-            sync_rates.append(rates[0])
-            async_rates.append(rates[1])
-            ratios.append(rates[1] / rates[0])
-        med = statistics.median
-        return {
-            "ratio": med(ratios), "range": [min(ratios), max(ratios)],
-            "sync": med(sync_rates), "async": med(async_rates),
-        }  # fmt: skip
+        return abba(
+            lambda limit: sync_pairs_for(sync_store, name, limit),
+            lambda limit: async_pairs_for(async_store, name + ":a", limit),
+            loop, slices, seconds,
+        )  # fmt: skip
     finally:
         sync_store.close()
         loop.run_until_complete(async_store.aclose())
@@ -120,24 +134,7 @@ def paired_f(store: str, env: dict[str, str], slices: int, seconds: float) -> di
         return done / (time.perf_counter() - started)
 
     try:
-        sync_rate(0.3)
-        loop.run_until_complete(async_rate(0.3))
-        ratios, sync_rates, async_rates = [], [], []
-        for i in range(slices):
-            rates: dict[int, float] = {}
-            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-                if which == 0:
-                    rates[0] = sync_rate(seconds)
-                else:
-                    rates[1] = loop.run_until_complete(async_rate(seconds))
-            sync_rates.append(rates[0])
-            async_rates.append(rates[1])
-            ratios.append(rates[1] / rates[0])
-        med = statistics.median
-        return {
-            "ratio": med(ratios), "range": [min(ratios), max(ratios)],
-            "sync": med(sync_rates), "async": med(async_rates),
-        }  # fmt: skip
+        return abba(sync_rate, async_rate, loop, slices, seconds)
     finally:
         loop.run_until_complete(close())
         loop.close()
