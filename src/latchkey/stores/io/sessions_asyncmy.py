@@ -54,7 +54,8 @@ class AsyncmySessions(AsyncSessionDriver):
         return AsyncmySession(conn, spare)
 
     async def execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
-        return await self.held(self._execute(session, statement, params), self.timeout)
+        return await self.shielded(bounded(self._execute(session, statement, params),
+                                           self.timeout))  # fmt: skip
 
     async def _execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
         cur = session.cur
