@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from latchkey._core.rows import CompleteCore, LeaseCore, RowsCore, TakeCore
 from latchkey._core.store import DEFAULT_TTL
@@ -15,6 +15,9 @@ from latchkey._types import RowState
 
 if TYPE_CHECKING:
     from latchkey._store import Store
+    from latchkey.stores.io import Steps
+
+_T = TypeVar("_T", bound="_Transaction")
 
 
 class Rows(RowsCore):
@@ -67,24 +70,26 @@ class Rows(RowsCore):
         return LeaseBatch(self, limit, ttl, wait, metadata)
 
 
-class TakeBatch(TakeCore):
-    """The rows a take locked (dicts, iterated in the query's order; ``len`` and truth work),
-    in one open transaction on one connection, until the ``with`` block ends.
+class _Transaction:
+    """The shell of one open transaction (a take's, a complete's): ``execute`` in it, and a
+    ``with`` block that begins it and commits at its end, or rolls back if the block raised.
+    The core class beside it in the bases gives ``_begin``, ``_execute`` and ``_end``."""
 
-    .. versionadded:: 0.2
-    """
+    store: Store
 
-    def __init__(self, rows: Rows, limit: int, wait: Duration) -> None:
-        super().__init__(rows, limit, wait)
-        self.store = rows.store
+    if TYPE_CHECKING:
+
+        def _begin(self) -> Steps[None]: ...
+        def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]: ...
+        def _end(self, commit: bool) -> Steps[None]: ...
 
     def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        """Run a statement in the batch's transaction, in the driver's placeholder style
-        (psycopg and PyMySQL ``%s``, sqlite3 ``?``); the rows it produced (none: ``[]``). An
-        error of the statement is the driver's own exception."""
+        """Run a statement in the transaction, in the driver's placeholder style (psycopg and
+        PyMySQL ``%s``, sqlite3 ``?``); the rows it produced (none: ``[]``). An error of the
+        statement is the driver's own exception."""
         return run(self._execute(sql, params), self.store.backend)
 
-    def __enter__(self) -> TakeBatch:
+    def __enter__(self: _T) -> _T:
         run(self._begin(), self.store.backend)
         return self
 
@@ -95,6 +100,19 @@ class TakeBatch(TakeCore):
         tb: TracebackType | None,
     ) -> None:
         run(self._end(exc_type is None), self.store.backend)
+
+
+class TakeBatch(_Transaction, TakeCore):
+    """The rows a take locked (dicts, iterated in the query's order; ``len`` and truth work),
+    in one open transaction on one connection, until the ``with`` block ends; ``execute``
+    runs statements in it.
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, rows: Rows, limit: int, wait: Duration) -> None:
+        super().__init__(rows, limit, wait)
+        self.store = rows.store
 
 
 class LeaseBatch(LeaseCore):
@@ -154,7 +172,7 @@ class LeaseBatch(LeaseCore):
         run(self._end(), self.store.backend)
 
 
-class Completion(CompleteCore):
+class Completion(_Transaction, CompleteCore):
     """A ``complete`` block's transaction on one connection: ``execute`` runs statements in
     it; the block's end commits the work with the end of the rows' leases, or rolls back.
     See :meth:`LeaseBatch.complete`.
@@ -165,20 +183,3 @@ class Completion(CompleteCore):
     def __init__(self, batch: LeaseBatch, rows: Sequence[Mapping[str, Any]]) -> None:
         super().__init__(batch, rows)
         self.store = batch.store
-
-    def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        """Run a statement in the block's transaction, in the driver's placeholder style; the
-        rows it produced (none: ``[]``). An error of the statement is the driver's own."""
-        return run(self._execute(sql, params), self.store.backend)
-
-    def __enter__(self) -> Completion:
-        run(self._begin(), self.store.backend)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        run(self._end(exc_type is None), self.store.backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from latchkey._async._run import arun
 from latchkey._core.rows import CompleteCore, LeaseCore, RowsCore, TakeCore
@@ -15,6 +15,9 @@ from latchkey._types import RowState
 
 if TYPE_CHECKING:
     from latchkey._async.store import AsyncStore
+    from latchkey.stores.io import Steps
+
+_T = TypeVar("_T", bound="_AsyncTransaction")
 
 
 class AsyncRows(RowsCore):
@@ -57,21 +60,23 @@ class AsyncRows(RowsCore):
         return AsyncLeaseBatch(self, limit, ttl, wait, metadata)
 
 
-class AsyncTakeBatch(TakeCore):
-    """:class:`latchkey.TakeBatch` for asyncio (``await batch.execute(…)``).
+class _AsyncTransaction:
+    """:class:`latchkey._rows._Transaction` for asyncio (``await tx.execute(…)``, ``async
+    with``); the core class beside it gives ``_begin``, ``_execute`` and ``_end``."""
 
-    .. versionadded:: 0.2
-    """
+    store: AsyncStore
 
-    def __init__(self, rows: AsyncRows, limit: int, wait: Duration) -> None:
-        super().__init__(rows, limit, wait)
-        self.store = rows.store
+    if TYPE_CHECKING:
+
+        def _begin(self) -> Steps[None]: ...
+        def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]: ...
+        def _end(self, commit: bool) -> Steps[None]: ...
 
     async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         """See :meth:`latchkey.TakeBatch.execute`."""
         return await arun(self._execute(sql, params), self.store.backend)
 
-    async def __aenter__(self) -> AsyncTakeBatch:
+    async def __aenter__(self: _T) -> _T:
         await arun(self._begin(), self.store.backend)
         return self
 
@@ -82,6 +87,17 @@ class AsyncTakeBatch(TakeCore):
         tb: TracebackType | None,
     ) -> None:
         await arun(self._end(exc_type is None), self.store.backend)
+
+
+class AsyncTakeBatch(_AsyncTransaction, TakeCore):
+    """:class:`latchkey.TakeBatch` for asyncio (``await batch.execute(…)``).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, rows: AsyncRows, limit: int, wait: Duration) -> None:
+        super().__init__(rows, limit, wait)
+        self.store = rows.store
 
 
 class AsyncLeaseBatch(LeaseCore):
@@ -127,7 +143,7 @@ class AsyncLeaseBatch(LeaseCore):
         await arun(self._end(), self.store.backend)
 
 
-class AsyncCompletion(CompleteCore):
+class AsyncCompletion(_AsyncTransaction, CompleteCore):
     """:class:`latchkey.Completion` for asyncio (``await tx.execute(…)``).
 
     .. versionadded:: 0.2
@@ -136,19 +152,3 @@ class AsyncCompletion(CompleteCore):
     def __init__(self, batch: AsyncLeaseBatch, rows: Sequence[Mapping[str, Any]]) -> None:
         super().__init__(batch, rows)
         self.store = batch.store
-
-    async def execute(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-        """See :meth:`latchkey.Completion.execute`."""
-        return await arun(self._execute(sql, params), self.store.backend)
-
-    async def __aenter__(self) -> AsyncCompletion:
-        await arun(self._begin(), self.store.backend)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await arun(self._end(exc_type is None), self.store.backend)
