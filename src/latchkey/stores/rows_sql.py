@@ -8,14 +8,13 @@ Two ways to claim rows (DESIGN.md §7):
   SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``, which serialises writers), the
   application's statements run in that transaction, and the batch ends in COMMIT or ROLLBACK;
 - *lease*: the due rows that have no live lease in latchkey's lease table get one, named
-  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock). Where
-  the server has SKIP LOCKED (PostgreSQL, MySQL 8, MariaDB ≥ 10.6) and on SQLite, in one short
-  transaction: the candidates are read ``FOR UPDATE SKIP LOCKED`` (SQLite: inside ``BEGIN
-  IMMEDIATE``), so concurrent lessees get disjoint rows, then claimed, then COMMIT. Elsewhere
-  (MySQL/MariaDB without SKIP LOCKED) the candidates are read and claimed in autocommit
-  statements, then read again, and those no longer due (another worker finished them
-  between our two reads) are released at once. No transaction stays open while the work
-  runs;
+  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock). On
+  PostgreSQL and SQLite in one short transaction: the candidates are read ``FOR UPDATE SKIP
+  LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``), so concurrent lessees get disjoint rows, then
+  claimed, then COMMIT. On MySQL/MariaDB (where that ran slower: ``rows_lease`` says why) the
+  candidates are read and claimed in autocommit statements, then read again, and those no
+  longer due (another worker finished them between our two reads) are released at once. No
+  transaction stays open while the work runs;
 - *complete*: a leased row's work and the end of its lease in one transaction on a pinned
   connection: the application's statements, then the rows' leases deleted only if still
   ours and live (owner and fencing token), then COMMIT — or ROLLBACK if a lease was lost.
@@ -67,10 +66,7 @@ class Dialect:
     quote: str
     """Encloses an identifier (the core allows only letters, digits and ``_``: no escaping)."""
     BEGIN: str
-    """Starts a take's transaction."""
-    LEASE_BEGIN: str
-    """Starts a lease's transaction: each statement must see what others committed before it
-    (READ COMMITTED), so that a read again after a lost claim sees the winners' leases."""
+    """Starts a take's transaction, a lease's (PostgreSQL, SQLite) and a complete's."""
     LOCKING: str
     """Ends a take's SELECT: lock the rows, skip those another transaction holds."""
     LEASE_NAME: str
@@ -86,7 +82,6 @@ class Dialect:
 POSTGRESQL = Dialect(
     quote='"',
     BEGIN="BEGIN",
-    LEASE_BEGIN="BEGIN",
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="convert_to({prefix} || {key}::text, 'UTF8')",
     LIVE="latchkey_lease.expires_at > now()",
@@ -96,7 +91,6 @@ POSTGRESQL = Dialect(
 MYSQL = Dialect(
     quote="`",
     BEGIN="START TRANSACTION",
-    LEASE_BEGIN="",  # leases read and claim in autocommit here (rows_lease says why)
     LOCKING="FOR UPDATE SKIP LOCKED",
     LEASE_NAME="CAST(CONCAT({prefix}, {key}) AS BINARY)",
     LIVE="latchkey_lease.expires_at > UTC_TIMESTAMP(6)",
@@ -107,7 +101,6 @@ MYSQL = Dialect(
 SQLITE = Dialect(
     quote='"',
     BEGIN="BEGIN IMMEDIATE",
-    LEASE_BEGIN="BEGIN IMMEDIATE",
     LOCKING="",
     LEASE_NAME="CAST({prefix} || {key} AS BLOB)",
     LIVE="latchkey_lease.expires_at > CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
@@ -279,7 +272,7 @@ class RowClaims:
         d = self.ROWS
         yield from self.lease_table_ready()
         try:
-            yield Query(d.LEASE_BEGIN)
+            yield Query(d.BEGIN)
         except Exception as exc:
             if not self.write_lock_busy(exc):
                 raise
