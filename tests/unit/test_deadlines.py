@@ -143,3 +143,16 @@ def test_the_block_form_bounds_what_it_awaits() -> None:
         return "ok"
 
     assert asyncio.run(main()) == "ok"
+
+
+def test_the_timeout_error_says_how_long_it_waited() -> None:
+    """The driver's error becomes StoreUnavailable's text: "TimeoutError" alone says nothing."""
+
+    async def main() -> str:
+        try:
+            await bounded(asyncio.sleep(10), 0.05)
+        except TimeoutError as exc:
+            return str(exc)
+        return "not timed out"
+
+    assert asyncio.run(main()) == "no answer within 0.05s"

@@ -126,7 +126,7 @@ class Deadline:
             # that swallowed it and returned leaves no cancel pending); it becomes TimeoutError
             # unless someone else cancelled the task too.
             if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
-                raise TimeoutError from exc
+                raise TimeoutError(f"no answer within {self.seconds:g}s") from exc
 
     async def __aenter__(self) -> Deadline:  # ``async with``, as asyncio.timeout is used
         return self.__enter__()
