@@ -443,6 +443,78 @@ def test_a_wait_outlasts_the_applications_statement_timeout_and_leaves_its_setti
         pool.close()
 
 
+@pytest.mark.xdist_group("mysql")
+@pytest.mark.parametrize("seen", [True, False], ids=["opened-after", "opened-before"])
+def test_a_getlock_wait_outlasts_the_engines_read_timeout_on_the_same_connection(
+    seen: bool, server_pool: ServerPool
+) -> None:
+    """The engine's PyMySQL connections have a 4 s read timeout. A wait of 30 s in the
+    server goes on past it on one connection, never broken by it: in waits of 3 s where
+    latchkey saw the connection opened (its ``do_connect`` listener noted the timeout), in
+    slices of 1 s on a connection the engine opened before latchkey was given it."""
+    import pymysql
+    import sqlalchemy
+
+    from latchkey.stores.mysql_getlock import lock_key
+
+    base = _base(server_pool, "mysql")
+    prefix = f"t{_tag()}:"
+    url = base.replace("mysql://", "mysql+pymysql://")
+    engine = sqlalchemy.create_engine(url, pool_size=1, max_overflow=0,
+                                      connect_args={"read_timeout": 4})  # fmt: skip
+    if not seen:
+        with engine.connect() as conn:  # the pool's one connection, opened before latchkey
+            conn.exec_driver_sql("SELECT 1")
+    store = latchkey.connect(client=engine, locks="session", prefix=prefix, timeout="10s")
+    holder = latchkey.connect(base.replace("mysql://", "mysql+getlock://"), prefix=prefix)
+    watcher = pymysql.connect(**_mysql_args(base), autocommit=True)
+    key = lock_key("n", prefix)
+    try:
+        held = holder.lock("n", wait=0)
+        assert held.acquire()
+        got: list[Any] = []
+
+        def wait() -> None:
+            lock = store.lock("n", wait="30s")
+            try:
+                got.append(lock.acquire() and lock.release())
+            except Exception as exc:  # reported below
+                got.append(exc)
+
+        waits: set[int] = set()
+        longest = [0]
+
+        def waiting_past_the_read_timeout() -> bool:
+            with watcher.cursor() as cur:
+                cur.execute("SELECT ID, TIME FROM information_schema.PROCESSLIST WHERE "
+                            "STATE = 'User lock' AND LOCATE(%s, INFO) > 0",
+                            (f"GET_LOCK('{key}',",))  # fmt: skip
+                for ident, seconds in cur.fetchall():
+                    waits.add(int(ident))
+                    longest[0] = max(longest[0], int(seconds))
+            return bool(got) or (bool(waits) and time.monotonic() - started > 5.5)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=wait)
+        thread.start()
+        try:
+            eventually(waiting_past_the_read_timeout, timeout=30,
+                       what="a wait in the server past the 4 s read timeout")  # fmt: skip
+            assert not got
+            assert len(waits) == 1  # one connection all along: none was broken
+            assert longest[0] >= 2 if seen else longest[0] <= 1
+        finally:
+            held.release()
+            thread.join(30)
+        assert got == [True]
+        assert engine.pool.checkedout() == 0
+    finally:
+        store.close()
+        holder.close()
+        watcher.close()
+        engine.dispose()
+
+
 def _proxied(base: str, proxy: Any) -> str:
     url = urlsplit(base)
     return base.replace(f"{url.hostname}:{url.port}", f"127.0.0.1:{proxy.port}")
