@@ -1,5 +1,6 @@
 """Deadlines for asyncio calls, one timer per event loop: what
-:func:`latchkey.stores.io.aio.bounded` runs on (Python 3.11+).
+:func:`latchkey.stores.io.aio.bounded` runs on (Python 3.11+: ``Task.uncancel``; 3.10 keeps
+``asyncio.wait_for``).
 
 ``asyncio.timeout`` arms a timer for every call it bounds (a ``TimerHandle`` pushed on the
 loop's heap, cancelled when the call returns) and wraps the call in a context manager object:
@@ -20,14 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 import time
 import weakref
 from collections.abc import Awaitable
 from types import TracebackType
 from typing import TypeVar
-
-assert sys.version_info >= (3, 11), "Task.uncancel: Python 3.11+ (aio.bounded says which to use)"
 
 T = TypeVar("T")
 
@@ -108,7 +106,7 @@ class Deadline:
             raise RuntimeError("Deadline needs a task")
         self.task = task
         self.deadline = loop.time() + self.seconds
-        self.cancelling = task.cancelling()
+        self.cancelling = task.cancelling()  # type: ignore[attr-defined,unused-ignore]
         self.keeper = keeper(loop)
         self.keeper.add(self)
         return self
@@ -125,7 +123,8 @@ class Deadline:
             # As asyncio.timeout: the expiry's cancel is taken back whatever happened (a body
             # that swallowed it and returned leaves no cancel pending); it becomes TimeoutError
             # unless someone else cancelled the task too.
-            if self.task.uncancel() <= self.cancelling and exc_type is asyncio.CancelledError:
+            uncancelled = self.task.uncancel()  # type: ignore[attr-defined,unused-ignore]
+            if uncancelled <= self.cancelling and exc_type is asyncio.CancelledError:
                 raise TimeoutError(f"no answer within {self.seconds:g}s") from exc
 
     async def __aenter__(self) -> Deadline:  # ``async with``, as asyncio.timeout is used

@@ -54,8 +54,7 @@ class AsyncmySessions(AsyncSessionDriver):
         return AsyncmySession(conn, spare)
 
     async def execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
-        return await self.shielded(bounded(self._execute(session, statement, params),
-                                           self.timeout))  # fmt: skip
+        return await self.held(self._execute(session, statement, params), self.timeout)
 
     async def _execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
         cur = session.cur
