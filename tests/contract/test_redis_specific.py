@@ -866,6 +866,38 @@ async def _none(items: Awaitable[list[Any]]) -> bool:
     return not await items
 
 
+def test_a_waiter_knows_how_many_of_its_process_come_before_it(redis_url: str) -> None:
+    """``Waiter.ahead``: the waiters of one name in this process that a release notice wakes
+    before this one (the core's safety-net poll grows with it); other names do not count,
+    and when the first leaves the others move up."""
+    backend = open_backend(redis_url)
+    assert isinstance(backend, RedisBackend)
+    try:
+        line = [backend.subscribe("n") for _ in range(3)]
+        other = backend.subscribe("m")
+        assert [w.ahead for w in line] == [0, 1, 2] and other.ahead == 0
+        line[0].close()
+        assert [w.ahead for w in line[1:]] == [0, 1]
+        for waiter in (*line[1:], other):
+            waiter.close()
+    finally:
+        backend.close()
+
+    async def main() -> None:
+        abackend = _async_backend(redis_url)
+        try:
+            aline = [await abackend.subscribe("n") for _ in range(3)]
+            assert [w.ahead for w in aline] == [0, 1, 2]
+            await aline[0].close()
+            assert [w.ahead for w in aline[1:]] == [0, 1]
+            for waiter in aline[1:]:
+                await waiter.close()
+        finally:
+            await abackend.aclose()
+
+    asyncio.run(main())
+
+
 def test_async_aclose_closes_the_connections_and_the_listener(redis_url: str) -> None:
     async def main() -> None:
         backend = _async_backend(redis_url)

@@ -27,9 +27,10 @@ class FakeClock:
 
 
 class FakeWaiter:
-    def __init__(self, clock: FakeClock, log: list[float]) -> None:
+    def __init__(self, clock: FakeClock, log: list[float], ahead: int = 0) -> None:
         self.clock, self.log, self.closed = clock, log, False
         self.outcome: Grant | Busy | None = None
+        self.ahead = ahead  # waiters of this process woken before this one
 
     def wait(self, timeout: float) -> bool:
         self.log.append(timeout)
@@ -146,6 +147,28 @@ def test_sleeps_no_longer_than_the_holders_remaining_lease() -> None:
     result = waiting(store, Busy(1, None, 0.5), wait=None, push=True)
     assert result == Grant(7, None)
     assert log == [log[0]] and log[0] <= 0.004
+
+
+def test_a_waiter_further_back_in_line_polls_less_often() -> None:
+    """A push waiter with k waiters of its process ahead (each woken before it) polls every
+    (k + 1) s at most, up to CAP_BEHIND, with jitter; first in line it backs off from 5 ms as
+    always; the holder's remaining lease and the caller's deadline still bound every pause."""
+    from latchkey._core.waiting import CAP_BEHIND
+
+    for ahead, low, high in ((0, 0.0025, 0.005), (3, 2.0, 4.0), (500, CAP_BEHIND / 2, CAP_BEHIND)):
+        clock, log = FakeClock(), []
+        store = FakeStore(clock, answers(Busy(1), Grant(7, None)), FakeWaiter(clock, log, ahead))
+        assert waiting(store, Busy(1), wait=None, push=True) == Grant(7, None)
+        assert len(log) == 1 and low <= log[0] <= high, (ahead, log)
+    clock, log = FakeClock(), []
+    store = FakeStore(clock, answers(Busy(1, None, 0.5), Grant(7, None)),
+                      FakeWaiter(clock, log, 40))  # fmt: skip
+    assert waiting(store, Busy(1), wait=None, push=True) == Grant(7, None)
+    assert log[0] <= 0.502  # the holder's lease ends first
+    clock, log = FakeClock(), []
+    store = FakeStore(clock, lambda: Busy(1), FakeWaiter(clock, log, 40))
+    assert isinstance(waiting(store, Busy(1), wait=3.0, push=True), Busy)
+    assert log and max(log) <= 3.0 and abs(clock.now - 3.0) < 1e-9
 
 
 def test_a_lost_race_for_a_free_slot_retries_at_once() -> None:

@@ -104,6 +104,13 @@ class Waiter:
         """Block up to ``timeout`` seconds; True if woken by a release notice."""
         raise NotImplementedError
 
+    @property
+    def ahead(self) -> int:
+        """How many waiters for the same name in this process a release notice wakes before
+        this one (0: none, or the store does not know). Local state, no I/O: the core polls
+        the store less often the further back a waiter is (see ``_core/waiting.py``)."""
+        return 0
+
     def take_grant(self) -> Grant | None:
         """The lease the store handed straight to this waiter's owner on release, if it did
         (stores that queue waiters, see :meth:`Backend.wait_in_line`). The core asks after
@@ -359,6 +366,11 @@ class AsyncWaiter:
     async def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds; True if woken by a release notice."""
         raise NotImplementedError
+
+    @property
+    def ahead(self) -> int:
+        """See :attr:`Waiter.ahead` (a plain attribute read: no I/O)."""
+        return 0
 
     async def take_grant(self) -> Grant | None:
         """See :meth:`Waiter.take_grant`."""

@@ -465,6 +465,21 @@ class Listener:
         self.conn.disconnect()
 
 
+#: ``ahead`` counts at most this many waiters (the core's poll stops growing well before).
+AHEAD_COUNTED = 64
+
+
+def waiters_ahead(line: Any, mine: object) -> int:
+    """How many of ``line`` (a channel's waiters, in the order they came) come before
+    ``mine``, up to :data:`AHEAD_COUNTED`; 0 if it is not there."""
+    for i, other in enumerate(line):
+        if other is mine:
+            return i
+        if i >= AHEAD_COUNTED:
+            return i
+    return 0
+
+
 def _wake_first(slots: dict[Slot, None]) -> bool:
     """Wake the first waiter not woken yet; False if there is none."""
     for slot in slots:
@@ -485,6 +500,14 @@ class PushWaiter(Waiter):
 
     def wait(self, timeout: float) -> bool:
         return self._listener.wait(self._slot, timeout)
+
+    @property
+    def ahead(self) -> int:
+        listener = self._listener
+        if listener.error is not None:
+            return 0
+        with listener.cond:
+            return waiters_ahead(listener.channels.get(self._channel, ()), self._slot)
 
     def finish(self, result: Grant | Busy) -> None:
         self._granted = type(result) is Grant

@@ -49,6 +49,7 @@ from latchkey.stores.io.redis import (
     pack,
     pack_script,
     settings,
+    waiters_ahead,
 )
 from latchkey.stores.redis import Command, Subscribe
 
@@ -372,6 +373,13 @@ class PushWaiter(AsyncWaiter):
 
     async def finish(self, result: Grant | Busy) -> None:
         self._granted = type(result) is Grant
+
+    @property
+    def ahead(self) -> int:
+        listener = self._listener
+        if listener.error is not None:
+            return 0
+        return waiters_ahead(listener.channels.get(self._channel, ()), self._event)
 
     async def wait(self, timeout: float) -> bool:
         listener, event = self._listener, self._event
