@@ -36,14 +36,32 @@ from latchkey.stores import redis_lua as new_lua  # noqa: E402
 NAMES = ("ACQUIRE", "RELEASE", "EXTEND", "CLAIM", "RELEASE_MANY", "FORCE_RELEASE", "PURGE")
 
 
-def load_old(src: str) -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "old_redis_lua", Path(src) / "latchkey/stores/redis_lua.py"
-    )
+HELPERS = "latchkey.stores.redis_lua_helpers"
+
+
+def load_file(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_old(src: str) -> Any:
+    """OLD_SRC's ``redis_lua``, built from OLD_SRC's Lua helpers where it keeps them in a
+    module of their own (``redis_lua_helpers``), not from this tree's."""
+    stores = Path(src) / "latchkey/stores"
+    helpers = stores / "redis_lua_helpers.py"
+    ours = sys.modules.get(HELPERS)
+    try:
+        if helpers.exists():
+            sys.modules[HELPERS] = load_file("old_redis_lua_helpers", helpers)
+        return load_file("old_redis_lua", stores / "redis_lua.py")
+    finally:
+        if ours is not None:
+            sys.modules[HELPERS] = ours
+        else:
+            sys.modules.pop(HELPERS, None)
 
 
 def use(backend: Any, lua: Any) -> None:

@@ -32,7 +32,8 @@ from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from latchkey.stores.io.psycopg import Link, positional
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
-from latchkey.stores.postgresql import SCHEMA_VERSION, AsyncPostgreSQLBackend, PostgreSQLBackend
+from latchkey.stores.postgresql import AsyncPostgreSQLBackend, PostgreSQLBackend
+from latchkey.stores.postgresql_tables import SCHEMA_VERSION
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, free_port

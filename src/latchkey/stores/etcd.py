@@ -48,7 +48,6 @@ Here: the layout, the transactions and the reply parsing, I/O-free; the bytes mo
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -61,12 +60,13 @@ from latchkey.stores.etcd_txn import (
     CLAIM_BATCH,
     MAX_LIMIT,
     Op,
-    busy_of,
+    acquired_of,
     compare,
     delete,
     end_of,
     get,
     grouped,
+    holder_value,
     info_of,
     kvs,
     lease_id,
@@ -74,11 +74,11 @@ from latchkey.stores.etcd_txn import (
     meta_of,
     now_ms,
     num,
-    own_of,
     put,
     txn,
     ungrouped,
     utc,
+    value_of,
 )
 from latchkey.stores.io import Steps
 from latchkey.stores.io.etcd import EtcdError, Post, Watch, b64, unb64
@@ -86,10 +86,6 @@ from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 
 #: Waiting owners remembered for acquire's choice of order (see wait_in_line).
 MAX_HINTS = 10_000
-
-
-def _not_found(exc: EtcdError) -> bool:
-    return "not found" in exc.message
 
 
 class Etcd(Store):
@@ -127,11 +123,6 @@ class Etcd(Store):
     def name_of(self, key: bytes) -> str:
         return bytes.fromhex(key[len(self.prefix) + 2 :].split(b"/", 1)[0].decode()).decode()
 
-    def _value(self, slot: int, info: str, acquired: int, ttl: float, shared: bool) -> bytes:
-        meta = {"slot": slot, "info": info, "acq": acquired, "exp": acquired + round(ttl * 1000),
-                "ttl": lease_seconds(ttl), "shared": shared}  # fmt: skip
-        return json.dumps(meta, separators=(",", ":")).encode()
-
     # -- leases ------------------------------------------------------------------------------
 
     def acquire(
@@ -144,7 +135,7 @@ class Etcd(Store):
         # Innermost first: no slot was free → read every holder (for Busy).
         level: list[Op] = [get(holders, end_of(holders))]
         for i in reversed(range(limit)):
-            value = self._value(i, owner_info, now, ttl, False)
+            value = holder_value(i, owner_info, now, ttl, False)
             level = [txn([compare(self.slot(name, i), "CREATE", 0)],
                          [put(self.slot(name, i), owner.encode(), lease),
                           put(holder, value, lease)], level)]  # fmt: skip
@@ -161,11 +152,11 @@ class Etcd(Store):
         try:
             reply = yield Post("/v3/kv/txn", body)
         except EtcdError as exc:
-            if not _not_found(exc):
+            if not exc.not_found:
                 raise
             granted = yield from self._grant(lease, seconds)
             reply = yield Post("/v3/kv/txn", body)
-        result = self._acquired(reply, now, ttl)
+        result = acquired_of(reply, now, ttl)
         if type(result) is Grant:
             self._waiting.pop((name, owner), None)
         if type(result) is not Grant:
@@ -191,32 +182,17 @@ class Etcd(Store):
         try:
             yield Post("/v3/lease/grant", {"ID": str(lease), "TTL": str(seconds)})
         except EtcdError as exc:
-            if "already exists" not in exc.message:
+            if not exc.already_exists:
                 raise
             return False
         return True
-
-    @staticmethod
-    def _acquired(reply: Op, now: int, ttl: float) -> Grant | Busy:
-        """Read an acquire's transaction: granted (the token is the transaction's revision),
-        the owner's own lease, or busy."""
-        if not reply.get("succeeded"):
-            return own_of(kvs(reply["responses"][0])[0])
-        response = reply["responses"][0]
-        while "response_txn" in response:
-            inner = response["response_txn"]
-            if inner.get("succeeded"):
-                expires = utc(now + round(ttl * 1000))
-                return Grant(num(reply["header"]["revision"]), expires)
-            response = inner["responses"][0]
-        return busy_of(kvs(response))
 
     def _revoke(self, lease: int) -> Steps[bool]:
         """Revoke an etcd lease (its keys are deleted with it); False if it was gone."""
         try:
             yield Post("/v3/lease/revoke", {"ID": str(lease)})
         except EtcdError as exc:
-            if not _not_found(exc):
+            if not exc.not_found:
                 raise
             return False
         return True
@@ -249,7 +225,7 @@ class Etcd(Store):
         kv, seconds = found[0], lease_seconds(ttl)
         old, lease = meta_of(kv), num(kv.get("lease"))
         meta = {**old, "exp": now_ms() + round(ttl * 1000), "ttl": seconds, "shared": False}
-        value = json.dumps(meta, separators=(",", ":")).encode()
+        value = value_of(meta)
         if not old.get("shared") and seconds == old["ttl"]:
             # Same TTL: keep the lease alive, then record the new expiry.
             alive = yield Post("/v3/lease/keepalive", {"ID": str(lease)})
@@ -313,7 +289,7 @@ class Etcd(Store):
             return {}
         granted = yield Post("/v3/lease/grant", {"ID": "0", "TTL": str(lease_seconds(ttl))})
         lease, now, out = num(granted["ID"]), now_ms(), dict[str, Grant]()
-        value = self._value(0, owner_info, now, ttl, True)
+        value = holder_value(0, owner_info, now, ttl, True)
         for start in range(0, len(names), CLAIM_BATCH):
             chunk = names[start : start + CLAIM_BATCH]
             ops = [txn([compare(self.slot(n, 0), "CREATE", 0)],

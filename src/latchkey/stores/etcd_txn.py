@@ -3,8 +3,9 @@
 Keys and values are base64, 64-bit integers decimal strings (protobuf's JSON mapping). Each
 builder returns one element of a transaction's ``compare`` list or of its ``success`` /
 ``failure`` branches; :func:`txn` nests a transaction as an operation of another (etcd ≥ 3.3).
-The readers at the end turn the holder keys etcd returns into latchkey's plain values. The
-rules that use both are in :mod:`latchkey.stores.etcd`.
+The readers at the end turn the holder keys etcd returns (and an acquire's transaction reply)
+into latchkey's plain values; :func:`holder_value` and :func:`value_of` write what they read.
+The rules that use both are in :mod:`latchkey.stores.etcd`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,19 @@ def meta_of(kv: Op) -> dict[str, Any]:
     return data
 
 
+def value_of(meta: dict[str, Any]) -> bytes:
+    """A holder key's value: ``meta`` as compact JSON (:func:`meta_of` reads it back)."""
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def holder_value(slot: int, info: str, acquired: int, ttl: float, shared: bool) -> bytes:
+    """A new holder key's value (see the store's layout): its slot, the owner's JSON, acquired
+    and expiry ms, the etcd lease's TTL in seconds, whether the lease is a claim's shared one."""
+    meta = {"slot": slot, "info": info, "acq": acquired, "exp": acquired + round(ttl * 1000),
+            "ttl": lease_seconds(ttl), "shared": shared}  # fmt: skip
+    return value_of(meta)
+
+
 def holder_of(kv: Op) -> Holder:
     meta = meta_of(kv)
     return Holder(num(kv.get("create_revision")), Owner.from_json(meta.get("info")),
@@ -145,3 +159,18 @@ def info_of(name: str, holders: list[Op]) -> LockInfo | None:
         return None
     ordered = sorted(holders, key=lambda kv: num(kv.get("create_revision")))
     return LockInfo(name, tuple(holder_of(kv) for kv in ordered))
+
+
+def acquired_of(reply: Op, now: int, ttl: float) -> Grant | Busy:
+    """Read an acquire's transaction: granted (the token is the transaction's revision),
+    the owner's own lease, or busy."""
+    if not reply.get("succeeded"):
+        return own_of(kvs(reply["responses"][0])[0])
+    response = reply["responses"][0]
+    while "response_txn" in response:
+        inner = response["response_txn"]
+        if inner.get("succeeded"):
+            expires = utc(now + round(ttl * 1000))
+            return Grant(num(reply["header"]["revision"]), expires)
+        response = inner["responses"][0]
+    return busy_of(kvs(response))

@@ -32,7 +32,6 @@ cursor read) carried out by PyMongo's sync client or its native asyncio client
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -43,143 +42,24 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey._url import Option, identifier
-from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase
 from latchkey.stores.io import Steps
-from latchkey.stores.io.pymongo import PYMONGO, Call, Document, Scan
+from latchkey.stores.io.pymongo import PYMONGO, Call, Scan, database_of, only_duplicate_keys
+from latchkey.stores.mongodb_pipelines import (
+    ACQUIRE,
+    ACQUIRE_OPTIONS,
+    ANY_LIVE,
+    EXTEND,
+    FORCE_RELEASE,
+    INDEX,
+    LIVE,
+    OURS_LIVE,
+    PURGE_FILTER,
+    RELEASE,
+    list_pipeline,
+    lock_let,
+)
 from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
-
-Pipeline = list[Document]
-_DUPLICATE_KEY = 11000
-_DATABASE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
-
-# -- expressions shared by the pipelines below ($$owner, $$info, $$ttl (ms), $$limit come from
-# each command's ``let``; $$NOW is the server's clock, one value for the whole command) --------
-
-_HOLDERS: Document = {"$ifNull": ["$holders", []]}
-# The holders whose lease has not ended by the server's clock.
-_LIVE: Document = {"$filter": {"input": _HOLDERS, "cond": {"$gt": ["$$this.expires", "$$NOW"]}}}
-# True if the caller's own lease is live: the only documents release and extend may touch.
-_OURS_LIVE: Document = {
-    "$anyElementTrue": [
-        {
-            "$map": {
-                "input": _HOLDERS,
-                "in": {
-                    "$and": [
-                        {"$eq": ["$$this.owner", "$$owner"]},
-                        {"$gt": ["$$this.expires", "$$NOW"]},
-                    ]
-                },
-            }
-        }
-    ]
-}
-# When the document may be garbage-collected: after every lease has ended and the server's
-# clock (ms) has passed its last token, so that a re-created document's tokens start higher.
-_SET_GC: Document = {
-    "$set": {"gc": {"$max": [{"$toDate": "$fence"}, {"$max": "$holders.expires"}]}}
-}
-
-# A slot is free, and the caller holds none yet (its own live lease is answered as it is).
-_GRANT: Document = {
-    "$and": [
-        {"$lt": [{"$size": "$holders"}, "$$limit"]},
-        {"$not": [{"$in": ["$$owner", "$holders.owner"]}]},
-    ]
-}
-_NEXT_TOKEN: Document = {"$max": [{"$add": [{"$ifNull": ["$fence", 0]}, 1]}, {"$toLong": "$$NOW"}]}
-
-# Acquire (find_one_and_update on {_id: name}, upsert, returns the document after): drop
-# expired holders; if fewer than $$limit are left, take the next token and add the caller.
-# A live holder is never removed or overwritten; the caller learns from the returned document
-# whether it is among the holders.
-ACQUIRE: Pipeline = [
-    {"$set": {"holders": _LIVE}},
-    {
-        "$set": {
-            "fence": {"$cond": [_GRANT, _NEXT_TOKEN, "$fence"]},
-            "holders": {
-                "$cond": [
-                    _GRANT,
-                    {
-                        "$concatArrays": [
-                            "$holders",
-                            [
-                                {
-                                    "owner": "$$owner",
-                                    "info": "$$info",
-                                    "token": _NEXT_TOKEN,
-                                    "acquired": "$$NOW",
-                                    "expires": {"$add": ["$$NOW", "$$ttl"]},
-                                }
-                            ],
-                        ]
-                    },
-                    "$holders",
-                ]
-            },
-        }
-    },
-    _SET_GC,
-]
-
-# What an acquire returns: the holders, and the server's clock of the same command (for the
-# time a lease found again has left); upserted, the document after the update.
-ACQUIRE_OPTIONS: Document = {
-    "upsert": True,
-    "projection": {"holders": 1, "now": "$$NOW"},
-    "return_document": ReturnDocument.AFTER,
-}
-INDEX: Document = {"expireAfterSeconds": 0, "name": "latchkey_gc"}
-
-# Release (update on {_id: name(s), $expr: _OURS_LIVE}): remove the caller's lease. Matches
-# nothing — and changes nothing — unless the caller's own lease is live.
-RELEASE: Pipeline = [
-    {
-        "$set": {
-            "holders": {
-                "$filter": {"input": "$holders", "cond": {"$ne": ["$$this.owner", "$$owner"]}}
-            }
-        }
-    },
-    _SET_GC,
-]
-
-# Extend (find_one_and_update on {_id: name, $expr: _OURS_LIVE}): the caller's lease now ends
-# $$ttl ms after $$NOW; token and other holders unchanged.
-EXTEND: Pipeline = [
-    {
-        "$set": {
-            "holders": {
-                "$map": {
-                    "input": "$holders",
-                    "in": {
-                        "$cond": [
-                            {"$eq": ["$$this.owner", "$$owner"]},
-                            {
-                                "$mergeObjects": [
-                                    "$$this",
-                                    {"expires": {"$add": ["$$NOW", "$$ttl"]}},
-                                ]
-                            },
-                            "$$this",
-                        ]
-                    },
-                }
-            }
-        }
-    },
-    _SET_GC,
-]
-
-# Force release (update on {_id: name, $expr: some live holder}): drop every lease; the fence
-# stays in the document.
-FORCE_RELEASE: Pipeline = [{"$set": {"holders": {"$literal": []}}}, _SET_GC]
-_ANY_LIVE: Document = {"$gt": [{"$size": _LIVE}, 0]}
-
-# Purge (delete_many): documents whose gc time has passed: no live lease, tokens safe.
-PURGE_FILTER: Document = {"gc": {"$type": "date"}, "$expr": {"$lt": ["$gc", "$$NOW"]}}
 
 
 def _utc(value: datetime) -> datetime:
@@ -193,16 +73,6 @@ def _holder(data: Mapping[str, Any]) -> Holder:
 
 def _lease(data: Mapping[str, Any]) -> tuple[int, datetime]:
     return int(data["token"]), _utc(data["expires"])
-
-
-def lock_let(owner: str, info: str = "", ttl: float = 0.0, limit: int = 1) -> Document:
-    """The ``let`` variables of the lease pipelines; user strings are literals."""
-    return {
-        "owner": {"$literal": owner},
-        "info": {"$literal": info},
-        "ttl": max(1, round(ttl * 1000)),
-        "limit": limit,
-    }
 
 
 def acquired(doc: Mapping[str, Any] | None, owner: str) -> Grant | Busy:
@@ -227,30 +97,10 @@ def extended(doc: Mapping[str, Any] | None, owner: str) -> Grant | None:
     return None
 
 
-def list_pipeline(prefix: str) -> Pipeline:
-    """Documents with live holders from ``prefix`` on, in _id order (stop :func:`past` it)."""
-    start: Pipeline = [{"$match": {"_id": {"$gte": prefix}}}] if prefix else []
-    return [
-        *start,
-        {"$sort": {"_id": 1}},
-        {"$project": {"holders": _LIVE}},
-        {"$match": {"holders.0": {"$exists": True}}},
-    ]
-
-
 def past(prefix: str) -> Any:
     """A list scan's stop: true once the _id order (UTF-8 byte order) has left the prefix's
     range."""
     return lambda doc: not isinstance(doc["_id"], str) or not doc["_id"].startswith(prefix)
-
-
-def claim_lost_races_only(exc: BulkWriteError) -> bool:
-    """True if a claim's bulk write failed only where two first acquires raced to insert (busy
-    names); any other write error fails the claim."""
-    errors = exc.details.get("writeErrors", [])
-    return not exc.details.get("writeConcernErrors") and all(
-        e.get("code") == _DUPLICATE_KEY for e in errors
-    )
 
 
 class MongoDB(Store):
@@ -266,19 +116,7 @@ class MongoDB(Store):
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
-        url = self.url
-        if not url.hosts and backend.client is None:
-            raise ConfigError(f"{url.scheme} store: the URL names no host")
-        if backend.client is not None:  # a borrowed client or Database: the one it stands for
-            from latchkey.stores.clients import mongo_database
-
-            self.database = mongo_database(backend.client)
-        else:
-            self.database = url.path.strip("/") or "latchkey"
-        if not _DATABASE.match(self.database):
-            raise ConfigError(
-                f"{url.scheme} store: database {self.database!r} must be letters, digits, _ and -"
-            )
+        self.database = database_of(backend)  # the URL's, or the borrowed client's
         self.collection: str = self.config["collection"]
         self._indexed = False
 
@@ -307,18 +145,18 @@ class MongoDB(Store):
         return acquired(doc, owner)
 
     def release(self, name: str, owner: str) -> Steps[bool]:
-        args = ({"_id": name, "$expr": _OURS_LIVE}, RELEASE)
+        args = ({"_id": name, "$expr": OURS_LIVE}, RELEASE)
         result = yield Call("locks", "update_one", args, {"let": lock_let(owner)})
         return bool(result.matched_count == 1)
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         options = {"return_document": ReturnDocument.AFTER, "let": lock_let(owner, ttl=ttl)}
-        args = ({"_id": name, "$expr": _OURS_LIVE}, EXTEND)
+        args = ({"_id": name, "$expr": OURS_LIVE}, EXTEND)
         doc = yield Call("locks", "find_one_and_update", args, options)
         return extended(doc, owner)
 
     def inspect(self, name: str) -> Steps[LockInfo | None]:
-        pipeline = [{"$match": {"_id": name}}, {"$project": {"holders": _LIVE}}]
+        pipeline = [{"$match": {"_id": name}}, {"$project": {"holders": LIVE}}]
         docs = yield Scan("locks", "aggregate", (pipeline,))
         return _info(docs[0]) if docs else None
 
@@ -327,7 +165,7 @@ class MongoDB(Store):
         return [info for info in map(_info, docs) if info is not None]
 
     def force_release(self, name: str) -> Steps[bool]:
-        args = ({"_id": name, "$expr": _ANY_LIVE}, FORCE_RELEASE)
+        args = ({"_id": name, "$expr": ANY_LIVE}, FORCE_RELEASE)
         result = yield Call("locks", "update_one", args)
         return bool(result.matched_count == 1)
 
@@ -356,14 +194,16 @@ class MongoDB(Store):
             requests = [UpdateOne({"_id": n}, ACQUIRE, upsert=True) for n in names]
             yield Call("locks", "bulk_write", (requests,), options, True)
         except BulkWriteError as exc:
-            if not claim_lost_races_only(exc):
+            # Duplicate keys only: two first acquires raced to insert (busy names); any other
+            # write error fails the claim.
+            if not only_duplicate_keys(exc):
                 raise
         mine = {"_id": {"$in": list(names)}, "holders.owner": owner}
         docs = yield Scan("locks", "find", (mine, {"holders": {"$elemMatch": {"owner": owner}}}))
         return {doc["_id"]: Grant(*_lease(doc["holders"][0])) for doc in docs}
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
-        args = ({"_id": {"$in": list(names)}, "$expr": _OURS_LIVE}, RELEASE)
+        args = ({"_id": {"$in": list(names)}, "$expr": OURS_LIVE}, RELEASE)
         result = yield Call("locks", "update_many", args, {"let": lock_let(owner)})
         return int(result.matched_count)
 

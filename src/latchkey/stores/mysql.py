@@ -38,35 +38,15 @@ from typing import Any
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder
-from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
-from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, connect_args
+from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, store_connect_args
+from latchkey.stores.io.mysql_session import SESSION, Contended, Duplicate
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 SCHEMA_VERSION = 1
-DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
-
-
-class Refused(Exception):
-    """The server refused a statement and rolled it back (the connection is fine): raised by
-    the driver into the primitive, as ``REFUSED`` maps the error's number; the store decides."""
-
-
-class Contended(Refused):
-    """A deadlock or a lock-wait timeout: a lost race, the core retries."""
-
-
-class Duplicate(Refused):
-    """A duplicate key: the row was created first by another."""
-
-
-REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
-#: Server errors (below 2000: the server answered) that still end the session: shutdown,
-#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
-SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
 
 # {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
 # make that safe when many processes start at once.
@@ -94,10 +74,6 @@ CREATE TABLE IF NOT EXISTS {t}_records (
     version BIGINT         NOT NULL       -- 1 after the first write, +1 per write
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
 """
-
-# Session settings at connect: the clock we read is UTC whatever the server's zone, and a
-# row-lock wait (only possible behind a stalled peer's statement) ends before our timeout.
-SESSION = "SET time_zone = '+00:00', innodb_lock_wait_timeout = %s"
 
 # The takeover clause of every upsert: on a duplicate key each column changes only if the old
 # lease has expired. expires_at is assigned last, so every test still sees the old value
@@ -276,15 +252,7 @@ class MySQL(RowClaims, LeaseTable):
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
         self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
-        if backend.client is not None:  # borrowed: the client's own settings (its driver)
-            from latchkey.stores.clients import tells_database
-
-            # (a client that does not say which database is asked at its first call)
-            if not self.url.path.strip("/") and tells_database(backend.client):
-                raise no_database(self.url.scheme)
-            self.connect_args: dict[str, Any] = {}
-            return
-        self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
+        self.connect_args: dict[str, Any] = store_connect_args(backend)  # borrowed: none
 
     def setup(self, server_version: str) -> list[Query]:
         """The statements each new connection runs first (the driver's): the session's
@@ -397,23 +365,6 @@ class MySQLBackend(StoreBackend):
 
 class AsyncMySQLBackend(AsyncStoreBackend):
     store_class = MySQL
-
-
-def __getattr__(name: str) -> Any:
-    """The sync driver's names the GET_LOCK store imports from here, loaded on first use."""
-    if name in ("DRIVER_ERRORS", "server_hung_up"):
-        from latchkey.stores.io import pymysql
-
-        return getattr(pymysql, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def no_database(scheme: str) -> ConfigError:
-    """A borrowed client without a database: says how to give it one."""
-    return ConfigError(
-        f"{scheme} store: the client names no database (connect it with database=… — db=… "
-        "for aiomysql — or give the engine's URL one)"
-    )
 
 
 def _text(value: str | bytes) -> str:

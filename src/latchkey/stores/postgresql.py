@@ -21,7 +21,8 @@ returns without another round trip. With no live waiter, release deletes the lea
 (committed asynchronously) and notifies every waiter of the name, which retry. Waiters also
 retry on their own (capped backoff): a lost notice or listener only slows them down.
 
-The I/O (connections, the libpq fast path, the listener): :mod:`latchkey.stores.io.psycopg`.
+The tables' DDL and schema version: :mod:`latchkey.stores.postgresql_tables`. The I/O
+(connections, the libpq fast path, the listener): :mod:`latchkey.stores.io.psycopg`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any
 from latchkey._owner import Owner
 from latchkey._types import Busy, Grant, Holder
 from latchkey._url import Option, identifier
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.psycopg import (
@@ -46,14 +46,11 @@ from latchkey.stores.io.psycopg import (
     timestamptz,
     utc,
 )
+from latchkey.stores.postgresql_tables import Tables, table_name
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import POSTGRESQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
-SCHEMA_VERSION = 1
-# A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
-# several processes starting at once do not race in CREATE … IF NOT EXISTS.
-DDL_LOCK_KEY = 0x6C6174636B6B6579
 #: The parameter formats of the two Prepared statements: the name in binary, the rest text.
 MUTEX_FORMATS, RELEASE_FORMATS = (1, 0, 0, 0), (1, 0)
 COLUMNS = "(name, slot, owner, owner_info, token, acquired_at, expires_at)"
@@ -62,14 +59,6 @@ TAKE_OVER = """ON CONFLICT (name, slot) DO UPDATE SET owner = excluded.owner,
     owner_info = excluded.owner_info, token = excluded.token,
     acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
 WHERE l.expires_at <= now()"""
-
-
-def table_name(text: str) -> str:
-    """A table name short enough that ``<table>_records`` fits PostgreSQL's 63-byte limit."""
-    identifier(text)
-    if len(text) > 55:
-        raise ValueError("must be at most 55 characters (63 minus the '_records' suffix)")
-    return text
 
 
 def mutex_busy(row: Sequence[Any] | None) -> Grant | Busy:
@@ -96,7 +85,7 @@ def slot_answer(row: Sequence[Any]) -> Grant | Busy:
     return Busy(holders=live, holder=soonest, retry_after=max(0.0, left))
 
 
-class PostgreSQL(RowClaims, LeaseTable):
+class PostgreSQL(RowClaims, Tables, LeaseTable):
     """The lease table in PostgreSQL. Statements: ``{t}`` is the table's name (validated: an
     identifier, so quoting is enclosing it in quotes), ``{s}`` the quoted schema and a dot, or
     nothing; ``$n`` are parameters; names are always bytea parameters (their UTF-8 bytes)."""
@@ -112,25 +101,6 @@ class PostgreSQL(RowClaims, LeaseTable):
     sync_driver = "latchkey.stores.io.psycopg:PsycopgDriver"
     async_driver = "latchkey.stores.io.psycopg_async:AsyncPsycopgDriver"
 
-    # Creates the tables, index and sequence if absent and records our schema version: one
-    # simple query, so one transaction, that takes DDL_LOCK_KEY first (processes take turns).
-    CREATE = f"""SELECT pg_advisory_xact_lock({DDL_LOCK_KEY});
-CREATE TABLE IF NOT EXISTS {{s}}"{{t}}" (name bytea NOT NULL, slot integer NOT NULL,
-    owner text NOT NULL, owner_info text NOT NULL, token bigint NOT NULL,
-    acquired_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, PRIMARY KEY (name, slot));
-CREATE INDEX IF NOT EXISTS "{{t}}_expires" ON {{s}}"{{t}}" (expires_at);
-CREATE SEQUENCE IF NOT EXISTS {{s}}"{{t}}_fence" AS bigint;
-CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_records" (name bytea PRIMARY KEY, value text NOT NULL,
-    version bigint NOT NULL);
-CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_meta" (key text PRIMARY KEY, value text NOT NULL);
-CREATE UNLOGGED TABLE IF NOT EXISTS {{s}}"{{t}}_waiters" (name bytea NOT NULL, owner text NOT NULL,
-    owner_info text NOT NULL, ttl float8 NOT NULL, ticket bigint NOT NULL,
-    listener_key bigint NOT NULL, queued_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL, PRIMARY KEY (name, owner));
-INSERT INTO {{s}}"{{t}}_meta" VALUES ('schema_version', '{SCHEMA_VERSION}')
-ON CONFLICT DO NOTHING"""
-    # The schema version the tables were made with (newer than ours: we must not use them).
-    SELECT_VERSION = """SELECT value FROM {s}"{t}_meta" WHERE key = 'schema_version'"""
     # In: name, owner, owner_info, ttl (s). A mutex is slot 0: taken if free or expired, never
     # from a live lease. Out: (token, expires_at) if granted, no row if busy. One plain INSERT,
     # so the uncontended path costs a raw INSERT … ON CONFLICT; HOLDER only when busy.
@@ -393,19 +363,6 @@ SELECT EXISTS (SELECT 1 FROM gone)
         orphan = self.orphans.pop(ticket, None)
         if orphan is not None:
             yield from self.release(*orphan)
-
-    def create(self) -> Steps[None]:
-        """Create what is missing, one process at a time; refuse tables from a newer version."""
-        schema = f'CREATE SCHEMA IF NOT EXISTS "{self.schema}";' if self.schema else ""
-        yield Query(self.CREATE.replace(";", ";" + schema, 1), None)  # None: one script
-        rows, _ = yield Query(self.SELECT_VERSION)
-        found = int(rows[0][0]) if rows else SCHEMA_VERSION
-        if found > SCHEMA_VERSION:
-            raise StoreUnavailable(f"{self.scheme} store at {self.url.redacted()}: table "
-                                   f"{self.table} has schema version {found}, newer than this "
-                                   f"latchkey ({SCHEMA_VERSION}); upgrade latchkey")  # fmt: skip
-
-    init = create
 
 
 class PostgreSQLBackend(StoreBackend):

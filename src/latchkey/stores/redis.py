@@ -59,8 +59,8 @@ from latchkey.stores.redis_lua import (
     RECORD_SET,
     RELEASE,
     RELEASE_MANY,
-    Lua,
 )
+from latchkey.stores.redis_lua_helpers import Lua
 
 SCRIPTS = (ACQUIRE, CLAIM, RELEASE, RELEASE_MANY, EXTEND, INSPECT, FORCE_RELEASE, PURGE,
            PURGE_DUE, RECORD_SET, RECORD_DELETE)  # fmt: skip

@@ -67,8 +67,8 @@ from latchkey.stores.redis_lua import (
     PURGE_DUE,
     RELEASE,
     RELEASE_MANY,
-    Lua,
 )
+from latchkey.stores.redis_lua_helpers import Lua
 
 SLOTS = 16384
 

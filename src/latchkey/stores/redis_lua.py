@@ -2,53 +2,15 @@
 
 Kept beside the store module, not in it, only for length: the store module is its key
 layout, requests, reply parsing and primitives; this one is what runs inside Redis. Each
-constant is a :class:`Lua` (its text and SHA1, computed here: EVALSHA needs no round trip to
-learn it) with a comment block: KEYS, ARGV, what it returns, the invariant it keeps.
+constant is a :class:`~latchkey.stores.redis_lua_helpers.Lua` (its text and SHA1, computed
+here: EVALSHA needs no round trip to learn it) with a comment block: KEYS, ARGV, what it
+returns, the invariant it keeps. The helpers the scripts share (``local`` functions) and the
+building of a script from them are :mod:`latchkey.stores.redis_lua_helpers`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
-from typing import NamedTuple
-
-
-class Lua(NamedTuple):
-    """A script's text and its SHA1 (what EVALSHA names it by)."""
-
-    text: str
-    sha: str
-
-
-def _lua(text: str) -> Lua:
-    """The script, with only the helpers (of ``_LUA_HELPERS``) its own code calls, directly or
-    through another helper: a Lua closure is built per call for every ``local function``, and
-    the semaphore paths ran ~0.3 µs of the server's time faster per script without the ones
-    they never call (bench/scriptab.py)."""
-    if _LUA_HELPERS in text:
-        head, tail = text.split(_LUA_HELPERS, 1)
-        text = head + _helpers_for(head + tail) + tail
-    return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
-
-
-def _helpers_for(code: str) -> str:
-    """The chunks of ``_LUA_HELPERS`` (each a top-level ``local`` at column 0, with what follows
-    it) that ``code`` names, and those they name, in their order."""
-    named = {
-        re.findall(r"^local (?:function )?(\w+)", chunk)[0]: chunk
-        for chunk in re.split(r"(?m)^(?=local )", _LUA_HELPERS)
-        if chunk.strip()
-    }
-    wanted: set[str] = set()
-    todo = [code]
-    while todo:
-        text = todo.pop()
-        for name in named.keys() - wanted:
-            if re.search(rf"\b{name}\b", text):
-                wanted.add(name)
-                todo.append(named[name])
-    return "".join(c for name, c in named.items() if name in wanted)
-
+from latchkey.stores.redis_lua_helpers import HELPERS, LIBRARY, PROLOGUE, script
 
 # Every script gets, per name, one KEYS entry: the name's base key "P{H}". It touches only the
 # keys "P{H}:lease", ":leases", ":owners", ":fence", which share that hash tag and so the
@@ -79,145 +41,6 @@ def _helpers_for(code: str) -> str:
 #   before. Redis Cluster's scripts keep no index (INDEXED false: it would be another slot).
 # Times are integer milliseconds of the server clock (TIME); a holder whose expiry <= now is gone.
 # A holder's record "token:acquired ms:owner_info" is what inspect sees: owner tokens stay inside.
-_LUA_PROLOGUE = """
-if redis.replicate_commands then redis.replicate_commands() end
-"""
-_LUA_HELPERS = """
-local INDEXED = true
-local function next_token(base, now, ttl)
-  local fence = base .. ':fence'
-  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1, now)
-  redis.call('SET', fence, token, 'PX', ttl + 600000)
-  return token
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function mutex_holder(base)
-  local v = redis.call('GET', base .. ':lease')
-  if not v then return nil, nil end
-  local sep = string.find(v, ':', 1, true)
-  return string.sub(v, 1, sep - 1), string.sub(v, sep + 1)
-end
-local function token_of(rec) return tonumber(string.match(rec, '^(%d+):')) end
-local function live_members(base, now)  -- not EXISTS: a key outlives its last score by 1 ms
-  return redis.call('ZCOUNT', base .. ':leases', '(' .. now, '+inf')
-end
-local function drop_expired(base, now)
-  local leases, owners = base .. ':leases', base .. ':owners'
-  local gone = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-  for i = 1, #gone do redis.call('HDEL', owners, gone[i]) end
-  if #gone > 0 then redis.call('ZREMRANGEBYSCORE', leases, '-inf', now) end
-  return #gone
-end
-local function keep_until_last(base)  -- returns the last expiry, nil for an empty zset
-  local last = redis.call('ZRANGE', base .. ':leases', -1, -1, 'WITHSCORES')
-  if last[2] then
-    redis.call('PEXPIREAT', base .. ':leases', last[2])
-    redis.call('PEXPIREAT', base .. ':owners', last[2])
-  end
-  return last[2]
-end
-local function index_of(base) return string.match(base, '^[^{]*') .. 'expiring' end
-local function reindex(base)  -- the base's index member: its zset's soonest expiry, or none
-  if not INDEXED then return end
-  local first = redis.call('ZRANGE', base .. ':leases', 0, 0, 'WITHSCORES')
-  if first[2] then
-    redis.call('ZADD', index_of(base), first[2], base)
-  else
-    redis.call('ZREM', index_of(base), base)
-  end
-end
-local function holders(base, now)
-  local out = {}
-  local _, rec = mutex_holder(base)
-  if rec then
-    out[1] = rec
-    out[2] = now + redis.call('PTTL', base .. ':lease')
-  end
-  local live = redis.call('ZRANGEBYSCORE', base .. ':leases', '(' .. now, '+inf', 'WITHSCORES')
-  for i = 1, #live, 2 do
-    out[#out + 1] = redis.call('HGET', base .. ':owners', live[i]) or ''
-    out[#out + 1] = live[i + 1]
-  end
-  return out
-end
-local function busy(base, now)
-  local h = holders(base, now)
-  local best = 1
-  for i = 3, #h, 2 do
-    if tonumber(h[i + 1]) < tonumber(h[best + 1]) then best = i end
-  end
-  return {#h / 2, h[best], tonumber(h[best + 1]), now}
-end
--- a grant is the string "token:expires ms", or "token:expires ms:ms left" for the owner's own
--- live lease found again (as it is: not renewed); busy is a table (see ACQUIRE)
-local function take(base, owner, info, now, ttl, limit)
-  local holder, rec = mutex_holder(base)
-  if holder == owner then
-    local left = redis.call('PTTL', base .. ':lease')
-    return token_of(rec) .. ':' .. (now + left) .. ':' .. left
-  end
-  if limit == 1 then
-    if holder or live_members(base, now) > 0 then return busy(base, now) end
-    local token = next_token(base, now, ttl)
-    redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
-               'PX', ttl)
-    return token .. ':' .. (now + ttl)
-  end
-  local leases, owners = base .. ':leases', base .. ':owners'
-  local gone = drop_expired(base, now)
-  local expires = now + ttl
-  local others = redis.call('ZCARD', leases)
-  local mine = others > 0 and redis.call('HGET', owners, owner)  -- same members as the zset
-  if mine then  -- live: drop_expired just removed the expired ones
-    if gone > 0 then reindex(base) end
-    local ends = tonumber(redis.call('ZSCORE', leases, owner))
-    return token_of(mine) .. ':' .. ends .. ':' .. (ends - now)
-  end
-  if others + (holder and 1 or 0) >= limit then
-    if gone > 0 then reindex(base) end
-    return busy(base, now)
-  end
-  local token = next_token(base, now, ttl)
-  redis.call('ZADD', leases, expires, owner)
-  redis.call('HSET', owners, owner, token .. ':' .. now .. ':' .. info)
-  if others == 0 then  -- the one member: the zset's last and soonest expiry, known already
-    redis.call('PEXPIREAT', leases, expires)
-    redis.call('PEXPIREAT', owners, expires)
-    if INDEXED then redis.call('ZADD', index_of(base), expires, base) end
-  else
-    keep_until_last(base)
-    reindex(base)
-  end
-  return token .. ':' .. expires
-end
-local function release_slot(base, owner)  -- the owner's semaphore slot, if any
-  local expires = redis.call('ZSCORE', base .. ':leases', owner)
-  if not expires then return 0 end
-  redis.call('ZREM', base .. ':leases', owner)
-  redis.call('HDEL', base .. ':owners', owner)
-  if keep_until_last(base) then
-    reindex(base)
-  elseif INDEXED then  -- the last holder left: the zset is gone, and its index member
-    redis.call('ZREM', index_of(base), base)
-  end
-  if tonumber(expires) <= now_ms() then return 0 end
-  redis.call('PUBLISH', base .. ':lease', '1')
-  return 1
-end
-local function release(base, owner)
-  if mutex_holder(base) == owner then
-    redis.call('DEL', base .. ':lease')
-    redis.call('PUBLISH', base .. ':lease', '1')
-    return 1
-  end
-  return release_slot(base, owner)
-end
-"""
-
-_LUA = _LUA_PROLOGUE + _LUA_HELPERS
 
 # The mutex paths of acquire, release and extend come first in their scripts, before the
 # helpers: a script that returns early never builds the helpers' closures, and runs only the
@@ -231,8 +54,8 @@ _LUA = _LUA_PROLOGUE + _LUA_HELPERS
 # Fast path: a mutex on a name with no key of either shape (one EXISTS for both) is free. Any
 # holder, or a zset its expired semaphore holders left (it outlives its last score by 1 ms),
 # sends the call on to `take`, which counts live holders exactly.
-ACQUIRE = _lua(
-    _LUA_PROLOGUE
+ACQUIRE = script(
+    PROLOGUE
     + """
 local lease = KEYS[1] .. ':lease'
 if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
@@ -245,7 +68,7 @@ if not ARGV[4] and redis.call('EXISTS', lease, KEYS[1] .. ':leases') == 0 then
   return token .. ':' .. (now + ARGV[3])
 end
 """
-    + _LUA_HELPERS
+    + HELPERS
     + """
 return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARGV[4] or '1'))
 """
@@ -254,8 +77,8 @@ return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARG
 # Take every free name of a batch (limit 1 each) with one expiry for all.
 # KEYS: base keys of the names.  ARGV: owner, owner_info, ttl ms.
 # Returns {expires ms, token or 0 (busy) per name, in KEYS order}.
-CLAIM = _lua(
-    _LUA
+CLAIM = script(
+    LIBRARY
     + """
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
@@ -272,8 +95,8 @@ return out
 # KEYS: the name's base key.  ARGV: owner.
 # Returns 1 if the owner's lease was live, else 0. Never touches another owner's lease.
 # Fast path: the owner's mutex lease (the lease string starts with "owner:").
-RELEASE = _lua(
-    _LUA_PROLOGUE
+RELEASE = script(
+    PROLOGUE
     + """
 local lease = KEYS[1] .. ':lease'
 local v = redis.call('GET', lease)
@@ -283,7 +106,7 @@ if v and string.sub(v, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then
   return 1
 end
 """
-    + _LUA_HELPERS
+    + HELPERS
     + """
 return release_slot(KEYS[1], ARGV[1])  -- not the owner's mutex: the GET above said so
 """
@@ -291,8 +114,8 @@ return release_slot(KEYS[1], ARGV[1])  -- not the owner's mutex: the GET above s
 
 # RELEASE for many names. KEYS: base keys of the names.  ARGV: owner.
 # Returns how many of the owner's leases were live.
-RELEASE_MANY = _lua(
-    _LUA
+RELEASE_MANY = script(
+    LIBRARY
     + """
 local count = 0
 for i = 1, #KEYS do count = count + release(KEYS[i], ARGV[1]) end
@@ -303,8 +126,8 @@ return count
 # Move the owner's live lease to end ttl from now; the token is unchanged.
 # KEYS: the name's base key.  ARGV: owner, ttl ms.
 # Returns "token:expires ms", or nil if the owner holds no live lease.
-EXTEND = _lua(
-    _LUA
+EXTEND = script(
+    LIBRARY
     + """
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
@@ -328,8 +151,8 @@ return token_of(rec) .. ':' .. (now + ttl)
 # channel, "lease": one per client-side store with a waiter), read-only.
 # KEYS: base keys of the names.
 # Returns {now ms, then per name: {rec, expires ms, rec, expires ms, ...}, subscribers}.
-INSPECT = _lua(
-    _LUA
+INSPECT = script(
+    LIBRARY
     + """
 local now = now_ms()
 local out = {now}
@@ -343,8 +166,8 @@ return out
 
 # Drop every lease on one name, whoever holds it; the fence counter stays.
 # KEYS: the name's base key.  Returns 1 if a live lease was dropped, else 0.
-FORCE_RELEASE = _lua(
-    _LUA
+FORCE_RELEASE = script(
+    LIBRARY
     + """
 local lease = KEYS[1] .. ':lease'
 local live = redis.call('EXISTS', lease) + live_members(KEYS[1], now_ms())
@@ -362,8 +185,8 @@ return 0
 # whose holders all expired are already gone by PX / PEXPIREAT), on zsets found by SCAN: Redis
 # Cluster's purge (it keeps no expiry index).
 # KEYS: base keys of the names.  Returns how many entries were removed.
-PURGE = _lua(
-    _LUA
+PURGE = script(
+    LIBRARY
     + """
 local now = now_ms()
 local count = 0
@@ -380,8 +203,8 @@ return count
 # member read is work done, and a call that reads fewer than ARGV[1] has left none due.
 # KEYS: the index "P" .. "expiring".  ARGV: how many zsets at most.
 # Returns {entries removed, zsets tidied}.
-PURGE_DUE = _lua(
-    _LUA
+PURGE_DUE = script(
+    LIBRARY
     + """
 local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
@@ -396,7 +219,7 @@ return {count, #due}
 
 # Write a record if its version is still the expected one (0: absent).
 # KEYS: record hash.  ARGV: value, expected version.  Returns the new version, or -1.
-RECORD_SET = _lua(
+RECORD_SET = script(
     """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if current ~= tonumber(ARGV[2]) then return -1 end
@@ -407,7 +230,7 @@ return current + 1
 
 # Delete a record if its version is still the expected one (never "deletes" an absent one).
 # KEYS: record hash.  ARGV: expected version.  Returns 1 if deleted, else 0.
-RECORD_DELETE = _lua(
+RECORD_DELETE = script(
     """
 local current = redis.call('HGET', KEYS[1], 'version')
 if not current or tonumber(current) ~= tonumber(ARGV[1]) then return 0 end

@@ -40,7 +40,7 @@ from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
 from latchkey.stores.io.mysql_dsn import async_args, connect_args
-from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:

@@ -66,8 +66,9 @@ import pymysql
 
 from latchkey.errors import ConfigError
 from latchkey.stores.io.aio import bounded
+from latchkey.stores.io.mysql_dsn import no_database
+from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.io.pymysql_borrowed import OURS, RESTORE, SAVE, inner_result
-from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused, no_database
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:

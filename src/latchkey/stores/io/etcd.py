@@ -14,7 +14,8 @@ Requests of the store (:mod:`latchkey.stores.etcd`):
 - :class:`Post`: one unary call, ``POST <endpoint><path>`` with a JSON body → the reply's JSON
   object. An error reply (``{"error", "code"}``: a gRPC status) is raised as
   :class:`EtcdError`, which the store catches where it gives it a meaning ("requested lease not
-  found", "lease already exists") and the driver otherwise maps to StoreUnavailable.
+  found", "lease already exists": :attr:`EtcdError.not_found`, :attr:`EtcdError.already_exists`)
+  and the driver otherwise maps to StoreUnavailable.
 - :class:`Watch`: a waiter for DELETE events on a key range, answered with a :class:`Waiter`.
 
 Endpoints: the URL's hosts, tried in turn when one cannot be connected to (a refused or timed
@@ -57,6 +58,16 @@ class EtcdError(Exception):
         super().__init__(f"etcd error {code}: {message}")
         self.code = code
         self.message = message
+
+    @property
+    def not_found(self) -> bool:
+        """etcd's "requested lease not found": the lease has ended (revoked or expired)."""
+        return "not found" in self.message
+
+    @property
+    def already_exists(self) -> bool:
+        """etcd's "lease already exists": a grant of a lease ID that is in use."""
+        return "already exists" in self.message
 
 
 class Post(NamedTuple):

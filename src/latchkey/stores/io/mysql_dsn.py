@@ -7,6 +7,8 @@ and ``ssl_disabled`` itself; asyncmy takes one ``ssl`` context, which :func:`asy
 from the same options the way PyMySQL does (a CA given means the server's certificate is
 verified unless ``ssl_verify_cert=false``). Options that would change how latchkey's own
 statements read (``charset``, ``sql_mode``, ``autocommit``, ``client_flag``…) are not passed.
+Over a borrowed client (``connect(client=…)``) there are none: the client's own settings are
+used (:func:`store_connect_args`), and it must stand for a database (:func:`no_database`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,28 @@ def connect_args(backend: BackendBase) -> dict[str, Any]:
                 read_timeout=timeout, write_timeout=timeout)  # fmt: skip
     args.update(backend.config.get("driver", {}))
     return args
+
+
+def store_connect_args(backend: BackendBase) -> dict[str, Any]:
+    """The ``mysql://`` store's connect() arguments: :func:`connect_args` for latchkey's own
+    connections (a ConfigError now, not at first use); none over a borrowed client, whose own
+    settings (its driver's) are used, and which must then stand for a database."""
+    if backend.client is None:
+        return connect_args(backend)
+    from latchkey.stores.clients import tells_database
+
+    # (a client that does not say which database is asked at its first call)
+    if not backend.url.path.strip("/") and tells_database(backend.client):
+        raise no_database(backend.url.scheme)
+    return {}
+
+
+def no_database(scheme: str) -> ConfigError:
+    """A borrowed client without a database: says how to give it one."""
+    return ConfigError(
+        f"{scheme} store: the client names no database (connect it with database=… — db=… "
+        "for aiomysql — or give the engine's URL one)"
+    )
 
 
 def async_args(args: dict[str, Any]) -> dict[str, Any]:

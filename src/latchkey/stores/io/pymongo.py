@@ -27,6 +27,7 @@ settings apply within that bound.
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timezone
@@ -36,7 +37,7 @@ from urllib.parse import quote_plus
 import pymongo
 from bson.codec_options import CodecOptions
 from pymongo import MongoClient, ReadPreference, WriteConcern, uri_parser
-from pymongo.errors import ConfigurationError, PyMongoError
+from pymongo.errors import BulkWriteError, ConfigurationError, PyMongoError
 
 from latchkey._url import DriverOptions, StoreURL
 from latchkey.errors import ConfigError
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
 Document = dict[str, Any]
+DUPLICATE_KEY = 11000
+_DATABASE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
 
 #: MongoDB connection-string options passed through to pymongo as given.
 #: Client settings the store's code depends on: not to be changed from the URL.
@@ -98,6 +101,34 @@ class Scan(NamedTuple):
     method: str
     args: tuple[Any, ...]
     stop: Callable[[Document], bool] | None = None
+
+
+def database_of(backend: BackendBase) -> str:
+    """The database a ``mongodb://`` store uses: the URL's (default ``latchkey``), or the one
+    a borrowed client or Database stands for; checked now, not at first use."""
+    url = backend.url
+    if not url.hosts and backend.client is None:
+        raise ConfigError(f"{url.scheme} store: the URL names no host")
+    if backend.client is not None:  # a borrowed client or Database: the one it stands for
+        from latchkey.stores.clients import mongo_database
+
+        database = mongo_database(backend.client)
+    else:
+        database = url.path.strip("/") or "latchkey"
+    if not _DATABASE.match(database):
+        raise ConfigError(
+            f"{url.scheme} store: database {database!r} must be letters, digits, _ and -"
+        )
+    return database
+
+
+def only_duplicate_keys(exc: BulkWriteError) -> bool:
+    """True if a bulk write failed only on duplicate keys (no other write error, no write
+    concern error)."""
+    errors = exc.details.get("writeErrors", [])
+    return not exc.details.get("writeConcernErrors") and all(
+        e.get("code") == DUPLICATE_KEY for e in errors
+    )
 
 
 def client_settings(

@@ -6,12 +6,13 @@ reused last-in first-out, never across ``fork()``), each with its one cursor. A 
 runs the store's ``setup()`` statements first (session settings, tables, MariaDB's prepared
 statements), so a primitive starts only once it holds a connection. A request is a
 :class:`~latchkey.stores.sql.Query`, answered with the last result set's rows and the last
-statement's row count. A server error the store maps in ``REFUSED`` is raised into its primitive
-as that :class:`~latchkey.stores.mysql.Refused` subclass (the statement was rolled back, the
-connection is kept); any other error closes the connection and becomes StoreUnavailable. Every
-socket operation is bounded by the store's timeout (PyMySQL's connect, read and write timeouts);
-the turn for a pooled connection is not (it waits behind this process's other calls, each of
-them bounded), as the wait for the one connection guarded by a lock was before. Over the
+statement's row count. A server error :mod:`~latchkey.stores.io.mysql_session` maps in
+``REFUSED`` is raised into the store's primitive as that ``Refused`` subclass (the statement
+was rolled back, the connection is kept; the store decides what it means); any other error
+closes the connection and becomes StoreUnavailable. Every socket operation is bounded by the
+store's timeout (PyMySQL's connect, read and write timeouts); the turn for a pooled
+connection is not (it waits behind this process's other calls, each of them bounded), as the
+wait for the one connection guarded by a lock was before. Over the
 application's own connection or engine (``connect(client=…)``) the pool is a
 :class:`~latchkey.stores.io.pymysql_borrowed.BorrowedPool` (that module says how it borrows).
 
@@ -43,7 +44,7 @@ from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
-from latchkey.stores.mysql import REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:

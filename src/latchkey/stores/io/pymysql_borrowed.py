@@ -47,8 +47,8 @@ import pymysql
 from pymysql.constants import CLIENT, SERVER_STATUS
 
 from latchkey.errors import ConfigError
+from latchkey.stores.io.mysql_session import REFUSED
 from latchkey.stores.io.pymysql import DRIVER_ERRORS, drain
-from latchkey.stores.mysql import REFUSED
 
 if TYPE_CHECKING:
     from latchkey.stores.io.pymysql import PyMySQLDriver

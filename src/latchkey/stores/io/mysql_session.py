@@ -1,0 +1,36 @@
+"""What latchkey's MySQL and MariaDB sessions are set to, and which server errors mean what:
+shared by the drivers of ``mysql://`` (PyMySQL, asyncmy, and both over a borrowed client).
+
+A server error the store gives a meaning to is mapped by its number (:data:`REFUSED`) to a
+:class:`Refused` subclass, raised into the primitive (the statement was rolled back and the
+connection is fine): the store decides what it means (:mod:`latchkey.stores.mysql`: a lost
+race, a row created first by another). :data:`SESSION_ENDING` are the server's errors that
+still end the session; the drivers drop that connection.
+"""
+
+from __future__ import annotations
+
+DEADLOCK, LOCK_WAIT_TIMEOUT, DUPLICATE_KEY = 1213, 1205, 1062
+
+
+class Refused(Exception):
+    """The server refused a statement and rolled it back (the connection is fine): raised by
+    the driver into the primitive, as ``REFUSED`` maps the error's number; the store decides."""
+
+
+class Contended(Refused):
+    """A deadlock or a lock-wait timeout: a lost race, the core retries."""
+
+
+class Duplicate(Refused):
+    """A duplicate key: the row was created first by another."""
+
+
+REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
+#: Server errors (below 2000: the server answered) that still end the session: shutdown,
+#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
+SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
+
+# Session settings at connect: the clock we read is UTC whatever the server's zone, and a
+# row-lock wait (only possible behind a stalled peer's statement) ends before our timeout.
+SESSION = "SET time_zone = '+00:00', innodb_lock_wait_timeout = %s"

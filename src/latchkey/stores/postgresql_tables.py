@@ -1,0 +1,73 @@
+"""The PostgreSQL store's tables (:mod:`latchkey.stores.postgresql`): made on first use (the
+driver runs :meth:`Tables.create` when a statement finds them missing) or by ``init()``, one
+process at a time, and refused when a newer latchkey made them.
+
+Kept beside the store module, not in it, only for length: the store module is its
+statements, reply parsing and primitives; this one is the tables they run on — their DDL,
+the schema version, the rule for the table's name — mixed into the store as :class:`Tables`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from latchkey._url import StoreURL, identifier
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.io import Steps
+from latchkey.stores.sql import Query
+
+SCHEMA_VERSION = 1
+# A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
+# several processes starting at once do not race in CREATE … IF NOT EXISTS.
+DDL_LOCK_KEY = 0x6C6174636B6B6579
+
+
+def table_name(text: str) -> str:
+    """A table name short enough that ``<table>_records`` fits PostgreSQL's 63-byte limit."""
+    identifier(text)
+    if len(text) > 55:
+        raise ValueError("must be at most 55 characters (63 minus the '_records' suffix)")
+    return text
+
+
+class Tables:
+    """Creates the tables of a PostgreSQL store (mixed into ``PostgreSQL``, whose lease table
+    renders ``{t}`` and ``{s}`` in these statements as in its own)."""
+
+    scheme: ClassVar[str]
+    url: StoreURL
+    table: str
+    schema: str | None
+
+    # Creates the tables, index and sequence if absent and records our schema version: one
+    # simple query, so one transaction, that takes DDL_LOCK_KEY first (processes take turns).
+    CREATE = f"""SELECT pg_advisory_xact_lock({DDL_LOCK_KEY});
+CREATE TABLE IF NOT EXISTS {{s}}"{{t}}" (name bytea NOT NULL, slot integer NOT NULL,
+    owner text NOT NULL, owner_info text NOT NULL, token bigint NOT NULL,
+    acquired_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, PRIMARY KEY (name, slot));
+CREATE INDEX IF NOT EXISTS "{{t}}_expires" ON {{s}}"{{t}}" (expires_at);
+CREATE SEQUENCE IF NOT EXISTS {{s}}"{{t}}_fence" AS bigint;
+CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_records" (name bytea PRIMARY KEY, value text NOT NULL,
+    version bigint NOT NULL);
+CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_meta" (key text PRIMARY KEY, value text NOT NULL);
+CREATE UNLOGGED TABLE IF NOT EXISTS {{s}}"{{t}}_waiters" (name bytea NOT NULL, owner text NOT NULL,
+    owner_info text NOT NULL, ttl float8 NOT NULL, ticket bigint NOT NULL,
+    listener_key bigint NOT NULL, queued_at timestamptz NOT NULL,
+    expires_at timestamptz NOT NULL, PRIMARY KEY (name, owner));
+INSERT INTO {{s}}"{{t}}_meta" VALUES ('schema_version', '{SCHEMA_VERSION}')
+ON CONFLICT DO NOTHING"""
+    # The schema version the tables were made with (newer than ours: we must not use them).
+    SELECT_VERSION = """SELECT value FROM {s}"{t}_meta" WHERE key = 'schema_version'"""
+
+    def create(self) -> Steps[None]:
+        """Create what is missing, one process at a time; refuse tables from a newer version."""
+        schema = f'CREATE SCHEMA IF NOT EXISTS "{self.schema}";' if self.schema else ""
+        yield Query(self.CREATE.replace(";", ";" + schema, 1), None)  # None: one script
+        rows, _ = yield Query(self.SELECT_VERSION)
+        found = int(rows[0][0]) if rows else SCHEMA_VERSION
+        if found > SCHEMA_VERSION:
+            raise StoreUnavailable(f"{self.scheme} store at {self.url.redacted()}: table "
+                                   f"{self.table} has schema version {found}, newer than this "
+                                   f"latchkey ({SCHEMA_VERSION}); upgrade latchkey")  # fmt: skip
+
+    init = create
