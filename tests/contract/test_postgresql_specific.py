@@ -538,6 +538,26 @@ def test_release_hands_the_lease_to_the_oldest_waiter_with_a_new_token(
     assert c.release("n", third) and a.inspect("n") is None
 
 
+def test_a_queued_waiter_knows_how_many_of_its_process_are_served_before_it(
+    trio: list[PostgreSQLBackend],
+) -> None:
+    """``Waiter.ahead``: the queued waiters of one name in this process that joined the queue
+    before this one (a release hands the lease to the oldest, so they all come first); a
+    semaphore's waiters are not queued (0); when the first is served the others move up."""
+    a, b, _ = trio
+    assert isinstance(a.acquire("n", _owner(), INFO, 30), Grant)
+    line = [b.wait_in_line("n", _owner(), INFO, 30, 1) for _ in range(3)]
+    assert [w.ahead for w in line] == [0, 1, 2]
+    assert isinstance(a.acquire("s", _owner(), INFO, 30, 2), Grant)
+    assert isinstance(a.acquire("s", _owner(), INFO, 30, 2), Grant)
+    slots = [b.wait_in_line("s", _owner(), INFO, 30, 2) for _ in range(2)]
+    assert [w.ahead for w in slots] == [0, 0]
+    line[0].close()
+    assert [w.ahead for w in line[1:]] == [0, 1]
+    for waiter in (*line[1:], *slots):
+        waiter.close()
+
+
 def test_a_waiter_whose_process_is_gone_is_passed_over(
     trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:

@@ -33,6 +33,7 @@ and result helpers).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -494,6 +495,19 @@ class Link(Session):
 # -- waiting -----------------------------------------------------------------------------------
 
 
+#: Numbers the waiters of this process in the order they join a queue (``seq``).
+queue_order = itertools.count()
+
+
+def queued_ahead(waiters: Any, mine: Any) -> int:
+    """How many of ``waiters`` (one name's, in this process) joined the server's queue before
+    ``mine``: a release hands the lease to the oldest, so these all come first. 0 for a
+    waiter that is not queued (a semaphore's: every waiter is woken)."""
+    if mine.ticket is None:
+        return 0
+    return sum(1 for w in waiters if w.ticket is not None and w.seq < mine.seq)
+
+
 class HandoffWaiter(EventWaiter):
     """A queued mutex waiter: woken by its name's notifications, and handed the lease by a
     release that names its ticket (see :class:`Listener`)."""
@@ -504,6 +518,7 @@ class HandoffWaiter(EventWaiter):
     ) -> None:  # fmt: skip
         super().__init__(threading.Event())
         self.listener, self.key, self.ticket = listener, key, ticket
+        self.seq = next(queue_order)  # the order waiters of this process joined the queue
         self.listener_key = 0
         self.grant: Grant | None = None
         self.handed_over = False  # the core took the grant a release handed us
@@ -521,6 +536,10 @@ class HandoffWaiter(EventWaiter):
 
     def finish(self, result: Grant | Busy) -> None:
         self.acquired = isinstance(result, Grant)
+
+    @property
+    def ahead(self) -> int:
+        return self.listener.ahead(self)
 
     def unsubscribe(self) -> None:
         self.listener.unsubscribe(self)
@@ -575,6 +594,11 @@ class Listener:
             self._waiters.setdefault(key, set()).add(waiter)
             waiter.listener_key = self.listener_key
             return waiter
+
+    def ahead(self, waiter: HandoffWaiter) -> int:
+        """See :func:`queued_ahead`."""
+        with self._lock:
+            return queued_ahead(self._waiters.get(waiter.key, ()), waiter)
 
     def unsubscribe(self, waiter: HandoffWaiter) -> None:
         with self._lock:

@@ -53,6 +53,8 @@ from latchkey.stores.io.psycopg import (
     deallocated,
     handoff_grant,
     input_waiting,
+    queue_order,
+    queued_ahead,
     result_error,
     user_error,
 )
@@ -253,6 +255,7 @@ class AsyncHandoffWaiter(AsyncWaiter):
         on_close: Callable[[AsyncHandoffWaiter], Awaitable[None]] | None = None,
     ) -> None:  # fmt: skip
         self.listener, self.key, self.ticket = listener, key, ticket
+        self.seq = next(queue_order)  # the order waiters of this process joined the queue
         self.event = asyncio.Event()
         self.listener_key = 0
         self.grant: Grant | None = None
@@ -280,6 +283,10 @@ class AsyncHandoffWaiter(AsyncWaiter):
 
     async def finish(self, result: Grant | Busy) -> None:
         self.acquired = isinstance(result, Grant)
+
+    @property
+    def ahead(self) -> int:
+        return queued_ahead(self.listener.waiters_of(self.key), self)
 
     def unsubscribe(self) -> None:
         self.listener.unsubscribe(self)
@@ -325,6 +332,9 @@ class AsyncListener:
         self._waiters.setdefault(key, set()).add(waiter)
         waiter.listener_key = self.listener_key
         return waiter
+
+    def waiters_of(self, key: str) -> set[AsyncHandoffWaiter]:
+        return self._waiters.get(key, set())
 
     def unsubscribe(self, waiter: AsyncHandoffWaiter) -> None:
         waiters = self._waiters.get(waiter.key)
