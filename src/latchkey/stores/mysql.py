@@ -24,6 +24,12 @@ MySQL 8 and MariaDB ≥ 10.2.4, values are never reused, and a grant's value is 
 waits for the row, after the previous holder's, so tokens increase per name (and across a
 semaphore's slots) in grant order.
 
+Several hosts (``mysql://user@h1:3306,h2:3306/db``): each new connection goes to the first that
+takes writes, so the store follows a failover by itself (:mod:`latchkey.stores.io.mysql_dsn`).
+A failover keeps the token counter's order: a replica's InnoDB raises its ``AUTO_INCREMENT``
+past every token it replicates, inserted or updated (MariaDB 10.11, row and mixed binary
+logs: ``tests/failover/test_mysql_failover.py``).
+
 Options: ``?table=``, ``?timeout=`` (connect/read/write, default 5 s). Drivers, imported only
 by the API that uses them: PyMySQL (:mod:`latchkey.stores.io.pymysql`; docs/stores/mysql.md
 says why) and asyncmy (:mod:`latchkey.stores.io.asyncmy`).
@@ -64,9 +70,14 @@ class Duplicate(Refused):
 
 
 REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
+#: The server refused a write because it is read-only (1290: ``--read-only``; 1836: read-only
+#: mode): a primary demoted under us. Its connections are dropped; a new one looks for the
+#: writable host (several hosts in the URL: the drivers drop the idle ones too).
+READ_ONLY = frozenset({1290, 1836})
 #: Server errors (below 2000: the server answered) that still end the session: shutdown,
-#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
-SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
+#: killed, interrupted, aborted, read-only. Others are a statement's own (the drivers'
+#: ``user_error``).
+SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927, *READ_ONLY})
 
 # {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
 # make that safe when many processes start at once.
@@ -284,7 +295,8 @@ class MySQL(RowClaims, LeaseTable):
                 raise no_database(self.url.scheme)
             self.connect_args: dict[str, Any] = {}
             return
-        self.connect_args = connect_args(backend)  # a ConfigError now, not at first use
+        # a ConfigError now, not at first use; several hosts: the drivers try them in turn
+        self.connect_args = connect_args(backend, failover=True)
 
     def setup(self, server_version: str) -> list[Query]:
         """The statements each new connection runs first (the driver's): the session's
