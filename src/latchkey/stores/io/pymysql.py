@@ -184,8 +184,8 @@ class PyMySQLDriver(Driver):
         return pooled
 
     def _writable(self, hosts: Hosts) -> Any:
-        """A connection to the first host, in ``hosts``' order, that takes writes; each
-        host's TCP connect gets its share of what is left of the connect timeout."""
+        """A connection to the first host, in ``hosts``' order, that takes writes; each host
+        gets its share of what is left of the connect timeout (:func:`reach`)."""
         args = self.store.connect_args
         deadline = time.monotonic() + args["connect_timeout"]
         order = hosts.order()
@@ -197,7 +197,7 @@ class PyMySQLDriver(Driver):
             address = hosts.addresses[index]
             share = max(left, 0.001) / (len(order) - step)
             try:
-                conn, why = reach({**args, "connect_timeout": share}, *address)
+                conn, why = reach(args, *address, share)
             except DRIVER_ERRORS as exc:
                 tried.append(f"{address_text(address)}: {reason(exc)}")
                 continue
@@ -261,14 +261,22 @@ class PyMySQLDriver(Driver):
         return Pinned(self, pooled, answer, give_back, user_error)
 
 
-def reach(args: dict[str, Any], host: str, port: int) -> tuple[Any, str | None]:
-    """A connection to ``host`` (:func:`connect`) and why it takes no writes (None: it
-    does; closed then)."""
-    conn = connect({**args, "host": host, "port": port}, client_flag=CLIENT.MULTI_STATEMENTS)
+def reach(args: dict[str, Any], host: str, port: int, seconds: float) -> tuple[Any, str | None]:
+    """A connection to ``host`` (:func:`connect`) and why it takes no writes (None: it does;
+    closed then). Connecting, the handshake and the check each wait at most ``seconds``, so a
+    host that accepts and never answers leaves the others their time; a connection kept then
+    gets the store's timeout on its socket. (PyMySQL sets its socket's timeout only when its
+    read and write timeouts differ from the one it set last — both are ``seconds`` here — so
+    it never undoes that one: as for a wait in :mod:`latchkey.stores.io.sessions_pymysql`.)"""
+    brief = {**args, "host": host, "port": port, "connect_timeout": seconds,
+             "read_timeout": seconds, "write_timeout": seconds}  # fmt: skip
+    conn = connect(brief, client_flag=CLIENT.MULTI_STATEMENTS)
     try:
         with conn.cursor() as cur:
             cur.execute(WRITABLE)
             why = read_only(cur.fetchone())
+        if why is None:
+            _SOCKETS[conn].settimeout(args["read_timeout"])  # (= its write timeout)
     except BaseException:
         with contextlib.suppress(Exception):
             conn.close()
