@@ -54,11 +54,14 @@ def _create_database(port: int) -> None:
         conn.close()
 
 
-def start(workdir: Path, primary: bool = False) -> RunningServer:
+def start(workdir: Path, primary: bool = False, binlog_format: str = "ROW") -> RunningServer:
     """Install a fresh data directory in ``workdir`` and start mariadbd on a free port.
-    ``primary``: with a binary log and server id 1, ready for :func:`start_replica`."""
+    ``primary``: with a binary log (``binlog_format``: ROW, MIXED — MariaDB's default — or
+    STATEMENT) and server id 1, ready for :func:`start_replica`."""
     if primary:
-        return _start(workdir, ["--log-bin=mariadb-bin", "--server-id=1", "--binlog-format=ROW"])
+        return _start(
+            workdir, ["--log-bin=mariadb-bin", "--server-id=1", f"--binlog-format={binlog_format}"]
+        )
     return _start(workdir, ["--skip-log-bin"])
 
 

@@ -18,7 +18,8 @@ its cursor and the store's ``setup()`` run on it. A connection that failed, time
 cancelled in the middle of a call is closed, never put back; one idle for ``IDLE_PING``
 seconds or more is pinged before use (the server may have ended it: restart, idle timeout,
 KILL; asyncmy offers no public way to see that without a round trip), and replaced if it does
-not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`).
+not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`),
+and so is the choice of a host from a host list (the first that takes writes).
 Over the application's own asyncmy or aiomysql connection, pool or SQLAlchemy AsyncEngine
 (``connect_async(client=…)``) the pool is a
 :class:`~latchkey.stores.io.asyncmy_borrowed.AsyncBorrowedPool` (that module says how it

@@ -13,9 +13,9 @@ host each, so :class:`Hosts` says which to try in which order. A new connection 
 the URL's order starting with the last one found writable (after a failover, straight to the
 new primary), and keeps the first that answers ``@@read_only = 0`` and
 ``@@innodb_read_only = 0`` (:data:`WRITABLE`, one round trip per new connection, as libpq's
-``target_session_attrs=read-write``); connecting to each gets its share of the time left of
-the store's timeout, so one host that never answers leaves the others theirs. When none is
-writable the error names every host tried and why.
+``target_session_attrs=read-write``); connecting to each (TCP, handshake, check) gets its
+share of the time left of the connect timeout, so one host that never answers leaves the
+others theirs. When none is writable the error names every host tried and why.
 """
 
 from __future__ import annotations

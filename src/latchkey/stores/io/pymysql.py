@@ -11,8 +11,11 @@ as that :class:`~latchkey.stores.mysql.Refused` subclass (the statement was roll
 connection is kept); any other error closes the connection and becomes StoreUnavailable. Every
 socket operation is bounded by the store's timeout (PyMySQL's connect, read and write timeouts);
 the turn for a pooled connection is not (it waits behind this process's other calls, each of
-them bounded), as the wait for the one connection guarded by a lock was before. Over the
-application's own connection or engine (``connect(client=…)``) the pool is a
+them bounded), as the wait for the one connection guarded by a lock was before. A URL with
+several hosts: a new connection goes to the first that takes writes
+(:class:`~latchkey.stores.io.mysql_dsn.Hosts`, :func:`reach`), and a write refused as
+read-only drops the pool's other connections. Over the application's own connection or
+engine (``connect(client=…)``) the pool is a
 :class:`~latchkey.stores.io.pymysql_borrowed.BorrowedPool` (that module says how it borrows).
 
 Idle connections the server ended (a restart, ``wait_timeout``, ``KILL``): PyMySQL has no
