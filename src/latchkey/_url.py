@@ -41,9 +41,7 @@ class StoreURL:
             raise ConfigError(f"store URL scheme {scheme!r} is not valid")
         # The authority ends at the first "/" (a path) or "?" (a query without a path, as in
         # memory://?x=1 or redis://host?db=1); a "/" inside the query is the query's.
-        ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
-        cut = min(ends) if ends else len(rest)
-        netloc, path_and_query = rest[:cut], rest[cut:]
+        netloc, path_and_query = _split_netloc(rest)
         parts = urlsplit("x://h" + path_and_query)
         username = password = None
         hostpart = netloc
@@ -97,6 +95,21 @@ class StoreURL:
     @property
     def port(self) -> int | None:
         return self.hosts[0][1] if self.hosts else None
+
+
+def _split_netloc(rest: str) -> tuple[str, str]:
+    """What follows ``scheme://``, as (authority, path and query)."""
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i >= 0]
+    cut = min(ends) if ends else len(rest)
+    return rest[:cut], rest[cut:]
+
+
+def host_entries(url: str) -> list[str]:
+    """The comma-separated entries of a URL's host list as written, empty ones included
+    (:attr:`StoreURL.hosts` skips those): ``[]`` for a URL without hosts."""
+    netloc, _ = _split_netloc(url.split("://", 1)[1])
+    hostpart = netloc.rpartition("@")[2]
+    return hostpart.split(",") if hostpart else []
 
 
 def _parse_host(text: str, url: str) -> tuple[str, int | None]:

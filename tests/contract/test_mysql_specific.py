@@ -411,6 +411,82 @@ def test_silent_server_times_out_within_the_timeout(scheme: str) -> None:
         store.close()
 
 
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again: nothing listens there
+
+
+def test_a_host_list_where_none_answers_names_every_host(api: str) -> None:
+    first, second = _closed_port(), _closed_port()
+    url = f"mysql://app:S3cret@127.0.0.1:{first},127.0.0.1:{second}/db?timeout=1s"
+
+    async def in_asyncio() -> None:
+        async with latchkey.connect_async(url) as store:
+            await store.lock("x", ttl="1s", wait=0).acquire()
+
+    with pytest.raises(StoreUnavailable) as caught:
+        if api == "sync":
+            with latchkey.connect(url) as store:
+                store.lock("x", ttl="1s", wait=0).acquire()
+        else:
+            asyncio.run(in_asyncio())
+    message = str(caught.value)
+    assert "no writable server among 2 hosts" in message
+    for port in (first, second):
+        assert f"127.0.0.1:{port}: Can't connect" in message, message
+    assert "S3cret" not in message
+
+
+def test_a_listed_host_that_never_answers_leaves_the_next_one_its_time(
+    base: str, api: str
+) -> None:
+    """A peer that accepts and never answers, first in the host list: it gets its share of
+    the timeout (half, of two hosts), the server after it the rest, and the call is granted
+    within the timeout."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        address = base.split("@", 1)[1].split("/", 1)[0]
+        url = with_query(base.replace(address, f"127.0.0.1:{port},{address}"), timeout="2s",
+                         table=f"t_{uuid.uuid4().hex[:12]}")  # fmt: skip
+
+        async def in_asyncio() -> bool:
+            async with latchkey.connect_async(url) as store:
+                return await store.lock("x", ttl="10s", wait=0).acquire()
+
+        started = time.monotonic()
+        if api == "sync":
+            with latchkey.connect(url) as store:
+                assert store.lock("x", ttl="10s", wait=0).acquire()
+        else:
+            assert asyncio.run(in_asyncio())
+        assert time.monotonic() - started < 2.5
+
+
+def test_a_connection_found_through_a_host_list_has_the_whole_timeout(base: str) -> None:
+    """Each host of a list waits at most its share of the timeout while it is tried (the
+    server here, first of three: a third); the connection kept has the whole timeout back for
+    its statements: a take's statement of a second and a half runs, within 2 s."""
+    table = f"ev_{uuid.uuid4().hex[:12]}"
+    root = _root(base)
+    try:
+        with root.cursor() as cur:
+            cur.execute(f"CREATE TABLE {table} (id INT PRIMARY KEY) ENGINE=InnoDB")
+            cur.execute(f"INSERT INTO {table} VALUES (1)")
+        root.commit()
+        address = base.split("@", 1)[1].split("/", 1)[0]
+        hosts = f"{address},127.0.0.1:{_closed_port()},127.0.0.1:{_closed_port()}"
+        url = with_query(base.replace(address, hosts), timeout="2s")
+        with latchkey.connect(url) as store, store.rows(table).take(limit=1) as batch:
+            assert batch.execute("SELECT SLEEP(1.5)") == [(0,)]
+    finally:
+        with root.cursor() as cur:
+            cur.execute(f"DROP TABLE IF EXISTS {table}")
+        root.close()
+
+
 def test_restart_keeps_leases_and_the_fencing_counter(own_server: RunningServer) -> None:
     """Tokens keep increasing across release, purge and restart, even when every row was
     deleted (AUTO_INCREMENT is persistent on MySQL 8 / MariaDB ≥ 10.2.4); a lease held

@@ -5,12 +5,18 @@ listens on 127.0.0.1 on a free port (its unix socket and pid file stay in the wo
 MariaDB's default durability (InnoDB flushes the redo log at every commit): the fault tests
 stop and restart it and expect committed leases and fencing counters to survive. ``root``
 has no password over TCP; the tests create their own users where they need one.
+
+The failover tests start a primary with a binary log (``start(workdir, primary=True)``) and
+a GTID replica of it (:func:`start_replica`), and promote the replica with :func:`promote`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pymysql
 
@@ -48,8 +54,18 @@ def _create_database(port: int) -> None:
         conn.close()
 
 
-def start(workdir: Path) -> RunningServer:
-    """Install a fresh data directory in ``workdir`` and start mariadbd on a free port."""
+def start(workdir: Path, primary: bool = False, binlog_format: str = "ROW") -> RunningServer:
+    """Install a fresh data directory in ``workdir`` and start mariadbd on a free port.
+    ``primary``: with a binary log (``binlog_format``: ROW, MIXED — MariaDB's default — or
+    STATEMENT) and server id 1, ready for :func:`start_replica`."""
+    if primary:
+        return _start(
+            workdir, ["--log-bin=mariadb-bin", "--server-id=1", f"--binlog-format={binlog_format}"]
+        )
+    return _start(workdir, ["--skip-log-bin"])
+
+
+def _start(workdir: Path, options: list[str], database: bool = True) -> RunningServer:
     mariadbd = ensure_binary("mariadbd", "mariadb-server", search=("/usr/sbin/mariadbd",))
     install_db = ensure_binary("mariadb-install-db", "mariadb-server")
     data, run = workdir / "data", workdir / "run"
@@ -64,7 +80,7 @@ def start(workdir: Path) -> RunningServer:
     cmd = [
         mariadbd, "--no-defaults", f"--datadir={data}", f"--socket={run / 'mariadbd.sock'}",
         f"--port={port}", "--bind-address=127.0.0.1", f"--pid-file={pidfile}", "--user=root",
-        "--skip-log-bin", "--max-connections=500", "--innodb-buffer-pool-size=64M",
+        *options, "--max-connections=500", "--innodb-buffer-pool-size=64M",
         f"--log-error={workdir / 'mariadbd.err'}",
     ]
 
@@ -80,7 +96,8 @@ def start(workdir: Path) -> RunningServer:
 
     pid = launch()
     wait_port_open(port, timeout=60)
-    _create_database(port)
+    if database:
+        _create_database(port)
     return RunningServer(
         url=f"mysql://root@127.0.0.1:{port}/{DATABASE}",
         pid=pid,
@@ -89,6 +106,78 @@ def start(workdir: Path) -> RunningServer:
         restart_cmd=launch,
         extra={"data": str(data), "socket": str(run / "mariadbd.sock")},
     )
+
+
+def start_replica(primary: RunningServer, workdir: Path, server_id: int = 2) -> RunningServer:
+    """A GTID replica of ``primary`` (started with ``primary=True``) on a free loopback port:
+    a fresh data directory that replays the primary's binary log from its start (the
+    database and everything after), ``read_only`` as a replica is, with a binary log of its
+    own so that it can be promoted. Returns once it has caught up with the primary."""
+    replica = _start(
+        workdir,
+        [f"--server-id={server_id}", "--log-bin=mariadb-bin", "--log-slave-updates",
+         "--binlog-format=ROW", "--read-only"],
+        database=False,
+    )  # fmt: skip
+    try:
+        with sql(primary.port) as cur:
+            cur.execute("CREATE USER IF NOT EXISTS repl@'127.0.0.1' IDENTIFIED BY 'repl'")
+            cur.execute("GRANT REPLICATION SLAVE ON *.* TO repl@'127.0.0.1'")
+        with sql(replica.port) as cur:
+            cur.execute(
+                "CHANGE MASTER TO MASTER_HOST = '127.0.0.1', MASTER_PORT = %s, "
+                "MASTER_USER = 'repl', MASTER_PASSWORD = 'repl', MASTER_USE_GTID = slave_pos, "
+                "MASTER_CONNECT_RETRY = 1",
+                (primary.port,),
+            )
+            cur.execute("START SLAVE")
+        caught_up(primary, replica)
+    except BaseException:
+        replica.stop()
+        raise
+    return replica
+
+
+def caught_up(primary: RunningServer, replica: RunningServer, timeout: float = 60) -> None:
+    """Until the replica has applied everything the primary has written so far."""
+    with sql(primary.port) as cur:
+        cur.execute("SELECT @@gtid_binlog_pos")
+        (position,) = cur.fetchone()
+    with sql(replica.port) as cur:
+        cur.execute("SELECT MASTER_GTID_WAIT(%s, %s)", (position, timeout))
+        (waited,) = cur.fetchone()
+    if waited != 0:
+        raise ServerUnavailable(f"the replica did not reach {position} within {timeout}s")
+
+
+def promote(replica: RunningServer, timeout: float = 60) -> None:
+    """Make the replica a primary as a failover tool does: stop receiving, apply what it has
+    received (``RESET SLAVE ALL`` deletes the relay log: a transaction received but not yet
+    applied would be lost), stop replicating, forget the primary, accept writes."""
+    with sql(replica.port) as cur:
+        cur.execute("STOP SLAVE IO_THREAD")
+        cur.execute("SHOW SLAVE STATUS")
+        columns = [column[0] for column in cur.description]
+        received = dict(zip(columns, cur.fetchone(), strict=True))["Gtid_IO_Pos"]
+        cur.execute("SELECT MASTER_GTID_WAIT(%s, %s)", (received, timeout))
+        (waited,) = cur.fetchone()
+        if waited != 0:
+            raise RuntimeError(f"the replica did not apply {received} within {timeout}s")
+        cur.execute("STOP SLAVE")
+        cur.execute("RESET SLAVE ALL")
+        cur.execute("SET GLOBAL read_only = 0")
+
+
+@contextlib.contextmanager
+def sql(port: int) -> Iterator[Any]:
+    """A cursor on a root connection to the server on ``port`` (autocommit)."""
+    conn = pymysql.connect(host="127.0.0.1", port=port, user="root", connect_timeout=10,
+                           autocommit=True)  # fmt: skip
+    try:
+        with conn.cursor() as cur:
+            yield cur
+    finally:
+        conn.close()
 
 
 SERVERS["mysql"] = ServerKind("mysql", start)

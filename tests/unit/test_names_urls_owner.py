@@ -332,3 +332,48 @@ def test_errors_subclass_the_builtins() -> None:
     assert issubclass(e.Unsupported, NotImplementedError)
     for name in e.__all__:
         assert issubclass(getattr(e, name), e.LatchkeyError)
+
+
+def test_a_mysql_host_list_is_read_in_order_with_default_ports() -> None:
+    from latchkey.stores.io.mysql_dsn import connect_args, hosts_of
+
+    url = StoreURL.parse("mysql://app:pw@db1,db2:3307,[::1]:3308/app")
+    assert hosts_of(url) == (("db1", 3306), ("db2", 3307), ("::1", 3308))
+    backend = open_backend("mysql://app:pw@db1,db2:3307/app?timeout=2s")
+    assert connect_args(backend, failover=True)["host"] == "db1"  # the first: where it starts
+    assert hosts_of(StoreURL.parse("mysql://app@/app")) == (("localhost", 3306),)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://app:pw@db1,,db2/app", "'db1,,db2' has an empty entry"),
+        ("mysql://app:pw@db1,/app", "'db1,' has an empty entry"),
+        ("mysql://app:pw@:3307,db2/app", "one without a host"),
+        ("mysql://app:pw@db1:3306,db1/app", "db1:3306 is named twice"),
+        ("mariadb://app:pw@db1,db2:x/app", "port 'x' is not a number"),
+        ("mysql+getlock://app:pw@db1,db2/app", "one host only .* use mysql://"),
+    ],
+)
+def test_a_bad_mysql_host_list_is_a_config_error(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        open_backend(url)
+    assert "pw" not in str(caught.value)
+
+
+def test_mysql_hosts_are_tried_from_the_last_writable_one() -> None:
+    from latchkey.stores.io.mysql_dsn import Hosts
+
+    hosts = Hosts((("a", 1), ("b", 2), ("c", 3)))
+    assert hosts.order() == [0, 1, 2]
+    hosts.found(1)  # b was writable: a failover to b
+    assert hosts.order() == [1, 2, 0]
+    hosts.missed([1, 2, 0], 1)  # b did not answer in time, and nothing else was tried
+    assert hosts.order() == [2, 0, 1]
+    hosts.missed([2, 0, 1], 3)  # each tried and refused: the same order again
+    assert hosts.order() == [2, 0, 1]
+    message = hosts.none_writable(["c:3: read-only (@@read_only = 1)"])
+    assert message == (
+        "no writable server among 3 hosts: c:3: read-only (@@read_only = 1); "
+        "2 more not tried (out of time)"
+    )

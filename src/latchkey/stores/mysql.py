@@ -24,6 +24,12 @@ MySQL 8 and MariaDB ≥ 10.2.4, values are never reused, and a grant's value is 
 waits for the row, after the previous holder's, so tokens increase per name (and across a
 semaphore's slots) in grant order.
 
+Several hosts (``mysql://user@h1:3306,h2:3306/db``): each new connection goes to the first that
+takes writes, so the store follows a failover by itself (:mod:`latchkey.stores.io.mysql_dsn`).
+A failover keeps the token counter's order: a replica's InnoDB raises its ``AUTO_INCREMENT``
+past every token it replicates, inserted or updated (MariaDB 10.11, row-based and mixed
+binary logs: ``tests/failover/test_mysql_failover.py``).
+
 Options: ``?table=``, ``?timeout=`` (connect/read/write, default 5 s). Drivers, imported only
 by the API that uses them: PyMySQL (:mod:`latchkey.stores.io.pymysql`; docs/stores/mysql.md
 says why) and asyncmy (:mod:`latchkey.stores.io.asyncmy`).

@@ -18,7 +18,8 @@ its cursor and the store's ``setup()`` run on it. A connection that failed, time
 cancelled in the middle of a call is closed, never put back; one idle for ``IDLE_PING``
 seconds or more is pinged before use (the server may have ended it: restart, idle timeout,
 KILL; asyncmy offers no public way to see that without a round trip), and replaced if it does
-not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`).
+not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`),
+and so is the choice of a host from a host list (the first that takes writes).
 Over the application's own asyncmy or aiomysql connection, pool or SQLAlchemy AsyncEngine
 (``connect_async(client=…)``) the pool is a
 :class:`~latchkey.stores.io.asyncmy_borrowed.AsyncBorrowedPool` (that module says how it
@@ -39,8 +40,17 @@ from asyncmy.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
-from latchkey.stores.io.mysql_dsn import async_args, connect_args
-from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_dsn import (
+    WRITABLE,
+    Hosts,
+    address_text,
+    async_args,
+    connect_args,
+    hosts_of,
+    read_only,
+    reason,
+)
+from latchkey.stores.io.mysql_session import READ_ONLY, REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -68,7 +78,7 @@ __all__ = ["ASYNC_DRIVER_ERRORS", "IDLE_PING", "AsyncmyDriver", "async_connect_a
 def async_connect_args(backend: BackendBase) -> dict[str, Any]:
     """asyncmy connect() arguments for a store URL: PyMySQL's, with the timeouts that are
     asyncio's here (every call runs under :func:`bounded`)."""
-    return async_args(connect_args(backend))
+    return async_args(connect_args(backend, failover=True))
 
 
 async def drain(cur: Any, sql: str, params: Any) -> tuple[list[Any], int]:
@@ -118,6 +128,7 @@ class AsyncmyDriver(AsyncDriver):
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
         self.user_error: Callable[[BaseException], bool] = user_error
+        self.hosts: Hosts | None = None  # several in the URL: where to look for the primary
         if backend.client is not None:  # the application's connection, pool or engine
             from latchkey.stores.io import asyncmy_borrowed as borrowed
 
@@ -126,6 +137,8 @@ class AsyncmyDriver(AsyncDriver):
             self.user_error = borrowed.user_error
             return
         self.connect_args = async_connect_args(backend)
+        if len(addresses := hosts_of(backend.url)) > 1:
+            self.hosts = Hosts(addresses)
         self.pool = AsyncPool(
             self._open,
             Connection.close,
@@ -139,7 +152,10 @@ class AsyncmyDriver(AsyncDriver):
         return await bounded(self._connect(), self.backend.timeout)
 
     async def _connect(self) -> Connection:
-        conn = await asyncmy.connect(**self.connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        if self.hosts is None:
+            conn = await asyncmy.connect(**self.connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        else:
+            conn = await self._writable(self.hosts)
         try:
             pooled = Connection(conn)
             await pooled.cur.execute(QUIET)
@@ -149,6 +165,47 @@ class AsyncmyDriver(AsyncDriver):
             conn.close()
             raise
         return pooled
+
+    async def _writable(self, hosts: Hosts) -> Any:
+        """The twin of ``PyMySQLDriver._writable``: a connection to the first host, in
+        ``hosts``' order, that takes writes; each gets its share of the time left (the whole
+        open is bounded by the store's timeout)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.backend.timeout
+        order = hosts.order()
+        tried: list[str] = []  # host:port: why not, one each
+        for step, index in enumerate(order):
+            left = deadline - loop.time()
+            if tried and left <= 0:
+                break
+            address = hosts.addresses[index]
+            share = max(left, 0.001) / (len(order) - step)
+            try:
+                conn, why = await bounded(self._reach(*address), share)
+            except ASYNC_DRIVER_ERRORS as exc:
+                tried.append(f"{address_text(address)}: {reason(exc)}")
+                continue
+            if why is None:
+                hosts.found(index)
+                return conn
+            tried.append(f"{address_text(address)}: {why}")
+        hosts.missed(order, len(tried))
+        raise asyncmy.errors.OperationalError(2003, hosts.none_writable(tried))
+
+    async def _reach(self, host: str, port: int) -> tuple[Any, str | None]:
+        """A connection to ``host`` and why it takes no writes (None: it does; closed then)."""
+        args = {**self.connect_args, "host": host, "port": port}
+        conn = await asyncmy.connect(**args, client_flag=CLIENT.MULTI_STATEMENTS)
+        try:
+            async with conn.cursor() as cur:
+                await cur.execute(WRITABLE)
+                why = read_only(await cur.fetchone())
+        except BaseException:
+            conn.close()
+            raise
+        if why is not None:
+            conn.close()
+        return conn, why
 
     async def _alive(self, pooled: Connection) -> bool:
         try:
@@ -172,6 +229,8 @@ class AsyncmyDriver(AsyncDriver):
         except StoreUnavailable:
             raise
         except self.errors as exc:
+            if self.hosts is not None and exc.args and exc.args[0] in READ_ONLY:
+                await self.pool.close()  # the others to the demoted primary (see pymysql.py)
             self.backend.unavailable(exc, action)
 
     async def aclose(self) -> None:

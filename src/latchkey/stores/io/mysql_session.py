@@ -27,9 +27,14 @@ class Duplicate(Refused):
 
 
 REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
+#: The server refused a write because it is read-only (1290: ``--read-only``; 1836: read-only
+#: mode): a primary demoted under us. Its connections are dropped; a new one looks for the
+#: writable host (several hosts in the URL: the drivers drop the idle ones too).
+READ_ONLY = frozenset({1290, 1836})
 #: Server errors (below 2000: the server answered) that still end the session: shutdown,
-#: killed, interrupted, aborted. Others are a statement's own (the drivers' ``user_error``).
-SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927})
+#: killed, interrupted, aborted, read-only. Others are a statement's own (the drivers'
+#: ``user_error``).
+SESSION_ENDING = frozenset({1053, *range(1077, 1081), *range(1152, 1162), 1317, 1927, *READ_ONLY})
 
 # Session settings at connect: the clock we read is UTC whatever the server's zone, and a
 # row-lock wait (only possible behind a stalled peer's statement) ends before our timeout.

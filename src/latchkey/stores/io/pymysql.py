@@ -12,7 +12,9 @@ was rolled back, the connection is kept; the store decides what it means); any o
 closes the connection and becomes StoreUnavailable. Every socket operation is bounded by the
 store's timeout (PyMySQL's connect, read and write timeouts); the turn for a pooled
 connection is not (it waits behind this process's other calls, each of them bounded), as the
-wait for the one connection guarded by a lock was before. Over the
+wait for the one connection guarded by a lock was before. A URL with several hosts: a new
+connection goes to the first that takes writes (:class:`~latchkey.stores.io.mysql_dsn.Hosts`,
+:func:`reach`), and a write refused as read-only drops the pool's other connections. Over the
 application's own connection or engine (``connect(client=…)``) the pool is a
 :class:`~latchkey.stores.io.pymysql_borrowed.BorrowedPool` (that module says how it borrows).
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,7 +47,8 @@ from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
-from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_dsn import WRITABLE, Hosts, address_text, hosts_of, read_only, reason
+from latchkey.stores.io.mysql_session import READ_ONLY, REFUSED, SESSION_ENDING, Refused
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -157,16 +161,21 @@ class PyMySQLDriver(Driver):
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
+        self.hosts: Hosts | None = None  # several in the URL: where to look for the primary
         if backend.client is not None:  # the application's connection or engine
             from latchkey.stores.io.pymysql_borrowed import BorrowedPool
 
             self.pool: Pool[Connection] = BorrowedPool(self, backend.client)  # type: ignore[assignment]
             return
         self.pool = Pool(self._open, Connection.close, alive=Connection.alive, size=POOL_SIZE)
+        if len(addresses := hosts_of(backend.url)) > 1:
+            self.hosts = Hosts(addresses)
 
     def _open(self) -> Connection:
-        args = self.store.connect_args
-        conn = connect(args, client_flag=CLIENT.MULTI_STATEMENTS)
+        if self.hosts is None:
+            conn = connect(self.store.connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+        else:
+            conn = self._writable(self.hosts)
         try:
             pooled = Connection(conn)
             for sql, params, _ in self.store.setup(str(conn.get_server_info())):
@@ -176,6 +185,31 @@ class PyMySQLDriver(Driver):
                 conn.close()
             raise
         return pooled
+
+    def _writable(self, hosts: Hosts) -> Any:
+        """A connection to the first host, in ``hosts``' order, that takes writes; each host
+        gets its share of what is left of the connect timeout (:func:`reach`)."""
+        args = self.store.connect_args
+        deadline = time.monotonic() + args["connect_timeout"]
+        order = hosts.order()
+        tried: list[str] = []  # host:port: why not, one each
+        for step, index in enumerate(order):
+            left = deadline - time.monotonic()
+            if tried and left <= 0:
+                break
+            address = hosts.addresses[index]
+            share = max(left, 0.001) / (len(order) - step)
+            try:
+                conn, why = reach(args, *address, share)
+            except DRIVER_ERRORS as exc:
+                tried.append(f"{address_text(address)}: {reason(exc)}")
+                continue
+            if why is None:
+                hosts.found(index)
+                return conn
+            tried.append(f"{address_text(address)}: {why}")
+        hosts.missed(order, len(tried))
+        raise pymysql.err.OperationalError(2003, hosts.none_writable(tried))
 
     def answer(self, request: Any) -> Any:  # pragma: no cover - run() answers on its connection
         raise NotImplementedError
@@ -199,6 +233,8 @@ class PyMySQLDriver(Driver):
         except StoreUnavailable:
             raise
         except self.errors as exc:
+            if self.hosts is not None and exc.args and exc.args[0] in READ_ONLY:
+                pool.close()  # the others to the demoted primary: new ones find the writable
             self.backend.unavailable(exc, action)
 
     def close(self) -> None:
@@ -226,6 +262,32 @@ class PyMySQLDriver(Driver):
             (pool.put if reuse else pool.discard)(pooled)
 
         return Pinned(self, pooled, answer, give_back, user_error)
+
+
+def reach(args: dict[str, Any], host: str, port: int, seconds: float) -> tuple[Any, str | None]:
+    """A connection to ``host`` (:func:`connect`) and why it takes no writes (None: it does;
+    closed then). Connecting, the handshake and the check each wait at most ``seconds``, so a
+    host that accepts and never answers leaves the others their time; a connection kept then
+    gets the store's timeout on its socket. (PyMySQL sets its socket's timeout only when its
+    read and write timeouts differ from the one it set last — both are ``seconds`` here — so
+    it never undoes that one: as for a wait in :mod:`latchkey.stores.io.sessions_pymysql`.)"""
+    brief = {**args, "host": host, "port": port, "connect_timeout": seconds,
+             "read_timeout": seconds, "write_timeout": seconds}  # fmt: skip
+    conn = connect(brief, client_flag=CLIENT.MULTI_STATEMENTS)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(WRITABLE)
+            why = read_only(cur.fetchone())
+        if why is None:
+            _SOCKETS[conn].settimeout(args["read_timeout"])  # (= its write timeout)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.close()
+        raise
+    if why is not None:
+        with contextlib.suppress(Exception):
+            conn.close()
+    return conn, why
 
 
 def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
