@@ -29,7 +29,7 @@ import pytest
 import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
-from latchkey.stores import open_backend
+from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.io.psycopg import Link, positional
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
 from latchkey.stores.postgresql import AsyncPostgreSQLBackend, PostgreSQLBackend
@@ -556,6 +556,20 @@ def test_a_queued_waiter_knows_how_many_of_its_process_are_served_before_it(
     assert [w.ahead for w in line[1:]] == [0, 1]
     for waiter in (*line[1:], *slots):
         waiter.close()
+
+    async def asyncio_line() -> None:  # the asyncio listener's twin
+        backend = open_async_backend(a.url.raw)
+        try:
+            aline = [await backend.wait_in_line("n", _owner(), INFO, 30, 1) for _ in range(3)]
+            assert [w.ahead for w in aline] == [0, 1, 2]
+            await aline[0].close()
+            assert [w.ahead for w in aline[1:]] == [0, 1]
+            for waiter in aline[1:]:
+                await waiter.close()
+        finally:
+            await backend.aclose()
+
+    asyncio.run(asyncio_line())
 
 
 def test_a_waiter_whose_process_is_gone_is_passed_over(
