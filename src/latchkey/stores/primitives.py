@@ -44,6 +44,7 @@ from latchkey.stores.base import (
     RowTuples,
 )
 from latchkey.stores.io import Steps
+from latchkey.stores.io.lines import AsyncLines, Lines
 
 if TYPE_CHECKING:
     from latchkey.stores.io import Driver
@@ -178,6 +179,7 @@ class StoreBackend(Backend):
         store = self.store_class
         driver = (client is not None and store.borrowed_sync_driver) or store.sync_driver
         self.io: Driver = _load(driver)(self, self.store)
+        self.lines = Lines()  # this process's waiters, where the store has no push
 
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
@@ -197,7 +199,10 @@ class StoreBackend(Backend):
         return self.io.run(steps, "acquire")
 
     def release(self, name: str, owner: str) -> bool:
-        return self.io.run(self.store.release(name, owner), "release")
+        released = self.io.run(self.store.release(name, owner), "release")
+        if released and self.lines.names:
+            self.lines.ring(name)
+        return released
 
     def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         return self.io.run(self.store.extend(name, owner, ttl), "extend")
@@ -289,7 +294,9 @@ class StoreBackend(Backend):
             pin.release(not pin.broken)
 
     def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
-        return self.io.run(self.store.wait_in_line(name, owner, owner_info, ttl, limit), "wait")
+        steps = self.store.wait_in_line(name, owner, owner_info, ttl, limit)
+        waiter = self.io.run(steps, "wait")
+        return self.lines.join(name) if waiter is None else waiter  # no push: a line
 
     def subscribe(self, name: str) -> Any:
         return self.wait_in_line(name, "", "", 0.0, 1)
@@ -327,6 +334,7 @@ class AsyncStoreBackend(AsyncBackend):
         store = self.store_class
         driver = (client is not None and store.borrowed_async_driver) or store.async_driver
         self.io: AsyncDriver = _load(driver)(self, self.store)
+        self.lines = AsyncLines()  # this process's waiters, where the store has no push
 
     async def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int = 1
@@ -347,7 +355,10 @@ class AsyncStoreBackend(AsyncBackend):
         return await self.io.run(steps, "acquire")
 
     async def release(self, name: str, owner: str) -> bool:
-        return await self.io.run(self.store.release(name, owner), "release")
+        released = await self.io.run(self.store.release(name, owner), "release")
+        if released and self.lines.names:
+            self.lines.ring(name)
+        return released
 
     async def extend(self, name: str, owner: str, ttl: float) -> Grant | None:
         return await self.io.run(self.store.extend(name, owner, ttl), "extend")
@@ -386,7 +397,8 @@ class AsyncStoreBackend(AsyncBackend):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Any:
         steps = self.store.wait_in_line(name, owner, owner_info, ttl, limit)
-        return await self.io.run(steps, "wait")
+        waiter = await self.io.run(steps, "wait")
+        return self.lines.join(name) if waiter is None else waiter  # no push: a line
 
     async def subscribe(self, name: str) -> Any:
         return await self.wait_in_line(name, "", "", 0.0, 1)
