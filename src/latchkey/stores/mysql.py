@@ -20,9 +20,11 @@ primitive) is a lost race (``Busy`` with fewer holders than the limit): the core
 Fencing tokens are the lease table's ``AUTO_INCREMENT`` column: the upsert draws a fresh value
 for every row it inserts and copies it (``VALUES(token)``) into every row it takes over, so a
 grant needs no second statement. InnoDB keeps that counter across DELETE, purge and restart on
-MySQL 8 and MariaDB ≥ 10.2.4, values are never reused, and a grant's value is drawn while it
-waits for the row, after the previous holder's, so tokens increase per name (and across a
-semaphore's slots) in grant order.
+MySQL 8 and MariaDB ≥ 10.2.4 and values are never reused. An INSERT draws its values when it
+starts, before it waits for a row lock; so every upsert names one row (a batch claim is one
+upsert per name, in one transaction: CLAIM): it waits only for that row, whose holder's grant,
+if any, drew its value before ours, and tokens increase per name (and across a semaphore's
+slots) in grant order.
 
 Options: ``?table=``, ``?timeout=`` (connect/read/write, default 5 s). Drivers, imported only
 by the API that uses them: PyMySQL (:mod:`latchkey.stores.io.pymysql`; docs/stores/mysql.md
@@ -176,20 +178,32 @@ VALUES (@lk_name, @lk_slot, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 {LIVE_OF}"""
 
-# Batch claim: one multi-row upsert (atomic), then what we own. In (positional): owner, info,
-# ttl_us, the sorted names ({rows}: one placeholder row each; sorted so that concurrent claims
-# lock rows in one order), owner, the names again ({names}). Each taken row draws its own token.
-CLAIM = f"""
+# Batch claim: one upsert per name, in one transaction, then what we own. In (positional):
+# owner, info, ttl_us, the sorted names ({rows}: one CLAIM_ROW each; sorted so that
+# concurrent claims lock rows in one order), owner, the names again ({names}). One statement
+# per name, not one multi-row upsert: an INSERT draws its AUTO_INCREMENT values when it
+# starts, so a multi-row one drew every name's token before waiting for the first name's row;
+# meanwhile another worker could lease a later name and release it, and our grant of that
+# name then carried a smaller token than the one before it. Each statement draws its name's
+# token after the waits for the names before it, as a single acquire does. One transaction:
+# one commit for the batch. A failed statement leaves the transaction open (a lock-wait
+# timeout rolls back only the statement): claim() rolls it back.
+CLAIM = """
 SET @lk_own = %s, @lk_info = %s, @lk_ttl = %s;
+START TRANSACTION;
+{rows}
+SELECT name, token, expires_at FROM {t}
+ WHERE owner = %s AND name IN ({names}) AND slot = 0 AND expires_at > UTC_TIMESTAMP(6);
+COMMIT"""
+CLAIM_ROW = f"""
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
-VALUES {{rows}}
-ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
-SELECT name, token, expires_at FROM {{t}}
- WHERE owner = %s AND name IN ({{names}}) AND slot = 0 AND expires_at > UTC_TIMESTAMP(6)"""
-CLAIM_ROW = (
-    "(%s, 0, @lk_own, @lk_info, NULL, UTC_TIMESTAMP(6), "
-    "UTC_TIMESTAMP(6) + INTERVAL @lk_ttl MICROSECOND)"
-)
+VALUES (%s, 0, @lk_own, @lk_info, NULL, UTC_TIMESTAMP(6),
+        UTC_TIMESTAMP(6) + INTERVAL @lk_ttl MICROSECOND)
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};"""
+# On MariaDB CLAIM_ROW is prepared per connection (with ? for %s): a claim of ten names then
+# sends and parses ten short EXECUTEs, not ten copies of the upsert.
+CLAIM_ROW_PREPARED = CLAIM_ROW.replace("%s", "?").strip().rstrip(";")
+EXECUTE_CLAIM_ROW = "\nEXECUTE latchkey_claim_row USING %s;"
 
 # Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
 # An expired row of ours is left for the next taker or purge (it is already free). Prepared
@@ -244,8 +258,12 @@ SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
 
 # MariaDB: the hot statements, prepared at connect (names are per session). MariaDB's EXECUTE
 # takes literal values (MySQL's only user variables), which the driver escapes as it does any
-# parameter. The prepared text is itself a parameter of PREPARE. In: the two statement texts.
-PREPARE = "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s"
+# parameter. The prepared text is itself a parameter of PREPARE. In: the three statement
+# texts.
+PREPARE = (
+    "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s; "
+    "PREPARE latchkey_claim_row FROM %s"
+)
 # Positional parameters (a tuple is escaped with less work than a dict). In: name, owner,
 # info, ttl_us, owner.
 EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
@@ -269,13 +287,13 @@ class MySQL(RowClaims, LeaseTable):
     RECORD_GET, RECORD_INSERT, RECORD_UPDATE = RECORD_GET, RECORD_INSERT, RECORD_UPDATE
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
-    CLAIM, RELEASE_MANY, EXTEND = CLAIM, RELEASE_MANY, EXTEND
+    CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND = CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND
     RELEASE_FENCED = RELEASE_FENCED
-    RELEASE_PREPARED = RELEASE_PREPARED
+    RELEASE_PREPARED, CLAIM_ROW_PREPARED = RELEASE_PREPARED, CLAIM_ROW_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
-        self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
+        self.prepared = False  # acquire, release, claim EXECUTE (MariaDB): set by setup()
         if backend.client is not None:  # borrowed: the client's own settings (its driver)
             from latchkey.stores.clients import tells_database
 
@@ -292,7 +310,8 @@ class MySQL(RowClaims, LeaseTable):
         self.prepared = "mariadb" in server_version.lower()
         steps = [Query(SESSION, (self.lock_wait_timeout(),)), self.tables()]
         if self.prepared:
-            steps.append(Query(PREPARE, (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED)))
+            texts = (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED, self.CLAIM_ROW_PREPARED)
+            steps.append(Query(PREPARE, texts))
         return steps
 
     def lock_wait_timeout(self) -> int:
@@ -354,11 +373,16 @@ class MySQL(RowClaims, LeaseTable):
             return {}
         keys = sorted(name.encode() for name in names)
         marks = ", ".join(["%s"] * len(keys))
-        sql = self.CLAIM.format(rows=", ".join([CLAIM_ROW] * len(keys)), names=marks)
+        row = EXECUTE_CLAIM_ROW if self.prepared else self.CLAIM_ROW
+        sql = self.CLAIM.format(rows="".join([row] * len(keys)), names=marks)
         try:
             rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
         except Contended:
-            return {}  # lost a deadlock to another claim: every name was contended just now
+            # Lost a deadlock (the server rolled the transaction back) or waited out the
+            # lock-wait timeout (it rolled back that statement only): nothing of this claim
+            # may commit. Every name was contended just now.
+            yield Query("ROLLBACK")
+            return {}
         return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:
