@@ -277,6 +277,90 @@ def test_claim_that_loses_a_deadlock_takes_nothing(base: str) -> None:
         backend.close()
 
 
+def _lock_waits(conn: pymysql.connections.Connection, table: str) -> int:
+    """How many transactions wait for a row lock in an upsert into ``table`` right now."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' "
+            "AND trx_query LIKE %s",
+            (f"INSERT INTO {table} %",),
+        )
+        return int(cur.fetchone()[0])
+
+
+def _hold_uncommitted(cur: Any, table: str, name: bytes) -> None:
+    """Insert a live lease row of ``name`` in a transaction left open: upserts of that name
+    wait for it."""
+    cur.execute("START TRANSACTION")
+    cur.execute(
+        f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+        "VALUES (%s, 0, %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+        (name, _owner()),
+    )
+
+
+def test_a_claim_draws_each_token_after_waiting_for_the_names_before_it(base: str) -> None:
+    """A claim of 'a' and 'b' waits for 'a' (another transaction's uncommitted row); in the
+    meantime another owner claims 'b' and releases it. The claim then takes 'b' with a token
+    above that owner's: fencing tokens increase per name in grant order. (A multi-row upsert
+    drew every name's token when it started, before its wait: 'b' got a smaller one.)"""
+    url = with_query(base, table=f"t_{uuid.uuid4().hex[:12]}", timeout="30s")
+    backend = open_backend(url)
+    backend.init()
+    table = backend.config["table"]
+    blocker, observer = _root(url), _root(url)
+    result: list[object] = []
+    try:
+        with blocker.cursor() as cur:
+            _hold_uncommitted(cur, table, b"a")
+            claimer = threading.Thread(
+                target=lambda: result.append(backend.claim(["b", "a"], _owner(), INFO, 30))
+            )
+            claimer.start()
+            eventually(lambda: _lock_waits(observer, table) == 1, what="the claim waiting")
+            other = _owner()
+            between = backend.claim(["b"], other, INFO, 30)
+            assert backend.release_many(["b"], other) == 1
+            assert _lock_waits(observer, table) == 1  # still waiting: all that was between
+            cur.execute("ROLLBACK")
+        claimer.join(30)
+        (grants,) = result
+        assert isinstance(grants, dict) and sorted(grants) == ["a", "b"]
+        assert grants["b"].token > between["b"].token
+        info = backend.inspect("b")
+        assert info is not None and info.holder.token == grants["b"].token
+    finally:
+        blocker.close()
+        observer.close()
+        backend.close()
+
+
+def test_a_claim_that_waits_out_the_lock_wait_timeout_takes_nothing(base: str) -> None:
+    """A claim that took 'a' and then waited out the lock-wait timeout on 'b' (which rolls
+    back that one statement, not the transaction) takes nothing: 'a' is not left leased,
+    neither now nor when the connection's next claim commits."""
+    url = with_query(base, table=f"t_{uuid.uuid4().hex[:12]}", timeout="2s")
+    backend = open_backend(url)
+    backend.init()
+    table = backend.config["table"]
+    blocker = _root(url)
+    try:
+        with blocker.cursor() as cur:
+            _hold_uncommitted(cur, table, b"b")
+            started = time.monotonic()
+            assert backend.claim(["a", "b"], _owner(), INFO, 30) == {}
+            assert time.monotonic() - started < 5
+            cur.execute("ROLLBACK")
+        assert sorted(backend.claim(["c"], _owner(), INFO, 30)) == ["c"]  # same connection
+        assert backend.inspect("a") is None
+        with blocker.cursor() as cur:
+            cur.execute(f"SELECT name FROM {table} ORDER BY name")
+            assert [bytes(row[0]) for row in cur.fetchall()] == [b"c"]
+    finally:
+        blocker.close()
+        backend.close()
+
+
 def test_mariadb_runs_the_hot_statements_prepared(backend: MySQLBackend, table_url: str) -> None:
     """On MariaDB acquire and release are EXECUTEs of statements prepared per connection; a
     connection the server ended is replaced and its statements prepared again."""

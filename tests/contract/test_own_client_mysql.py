@@ -153,6 +153,51 @@ def test_without_multi_statements_a_config_error_says_how(args: dict[str, Any]) 
         engine.dispose()
 
 
+def _hold_uncommitted(args: dict[str, Any], table: str, name: bytes) -> Any:
+    """Another connection with a live lease row of ``name`` inserted and not committed: an
+    upsert of that name waits for it. Roll it back (and close it) when done."""
+    import pymysql
+
+    blocker = pymysql.connect(**args)  # autocommit off: the INSERT opens the transaction
+    with blocker.cursor() as cur:
+        cur.execute(
+            f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
+            "VALUES (%s, 0, %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+            (name, uuid.uuid4().hex),
+        )
+    return blocker
+
+
+def _names(args: dict[str, Any], table: str) -> list[bytes]:
+    with _sync_connection(args) as conn, conn.cursor() as cur:
+        cur.execute(f"SELECT name FROM {table} ORDER BY name")
+        return [bytes(row[0]) for row in cur.fetchall()]
+
+
+def test_a_claim_refused_midway_commits_nothing_of_it(conn: Any, args: dict[str, Any]) -> None:
+    """A claim takes 'a', then waits out the lock-wait timeout on 'b' (the server rolls
+    back that statement only, the claim's transaction stays open): on the application's
+    connection, without autocommit, nothing of it is committed — not when its settings come
+    back, not at the next call — and the connection goes back as it came."""
+    table = _table()
+    store = latchkey.connect(client=conn, table=table, timeout="2s")  # lock waits of 1 s
+    try:
+        store.init()
+        blocker = _hold_uncommitted(args, table, b"b")
+        try:
+            claim = store.claim(["a", "b"], ttl="30s")
+            assert claim.acquired == [] and claim.busy == ["a", "b"]
+        finally:
+            blocker.rollback()
+            blocker.close()
+        assert _session(conn) == APP
+        assert store.claim(["c"], ttl="30s").acquired == ["c"]
+        assert store.inspect("a") is None and _names(args, table) == [b"c"]
+        assert _session(conn) == APP
+    finally:
+        store.close()
+
+
 def test_rows_over_a_borrowed_connection(conn: Any) -> None:
     jobs = f"jobs_{uuid.uuid4().hex[:8]}"
     with conn.cursor() as cur:
@@ -318,6 +363,37 @@ def test_asyncio_latchkey_runs_with_its_settings_and_gives_the_applications_back
             assert await _asession(client) == AAPP  # latchkey closed nothing of the client's
             if akind not in SINGLE:
                 assert _idle(client)
+        finally:
+            await _aclose(client)
+
+    _arun(main())
+
+
+def test_asyncio_a_claim_refused_midway_commits_nothing_of_it(
+    akind: str, args: dict[str, Any]
+) -> None:
+    """As test_a_claim_refused_midway_commits_nothing_of_it, over each asyncio client."""
+    table = _table()
+
+    async def main() -> None:
+        client = await _aclient(akind, args)
+        try:
+            store = latchkey.connect_async(client=client, table=table, timeout="2s")
+            try:
+                await store.init()
+                blocker = _hold_uncommitted(args, table, b"b")
+                try:
+                    claim = await store.claim(["a", "b"], ttl="30s")
+                    assert claim.acquired == [] and claim.busy == ["a", "b"]
+                finally:
+                    blocker.rollback()
+                    blocker.close()
+                assert await _asession(client) == AAPP
+                assert (await store.claim(["c"], ttl="30s")).acquired == ["c"]
+                assert await store.inspect("a") is None and _names(args, table) == [b"c"]
+                assert await _asession(client) == AAPP
+            finally:
+                await store.aclose()
         finally:
             await _aclose(client)
 

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -17,6 +19,7 @@ import latchkey
 from latchkey import InvalidName, InvalidValue, StoreUnavailable, Unsupported
 from tests.appdb import AppDB
 from tests.helpers import eventually
+from tests.servers import with_query
 
 
 @pytest.fixture
@@ -501,6 +504,202 @@ def test_lease_without_skip_locked_still_leases_correctly(
     assert processed(db, table) == [1, 2, 3]
     with pytest.raises(Unsupported, match=re.escape("5.7.44")), queue.take(limit=1):
         pytest.fail("no take without SKIP LOCKED")
+
+
+# -- a lessee that loses the race for a row it read: made to happen, on the server stores ----
+
+#: A live lease row inserted by hand (in: name, owner), as the blocker below holds it.
+BLOCKER_ROW = {
+    "mysql": "INSERT INTO {t} (name, slot, owner, owner_info, token, acquired_at, expires_at) "
+    "VALUES (%s, 0, %s, '{{}}', NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 HOUR)",
+    "postgresql": "INSERT INTO {t} (name, slot, owner, owner_info, token, acquired_at, "
+    "expires_at) VALUES (%s, 0, %s, '{{}}', nextval('{t}_fence'), now(), "
+    "now() + interval '1 hour')",
+}
+#: How many statements wait for a row lock in the lease table {t} right now.
+CLAIM_WAITS = {
+    "mysql": "SELECT count(*) FROM information_schema.innodb_trx WHERE trx_state = 'LOCK WAIT' "
+    "AND trx_query LIKE 'INSERT INTO {t} %'",
+    "postgresql": "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+    "AND query LIKE '%{t}%'",
+}
+
+
+class HeldAtItsClaim:
+    """A lessee stopped for sure in its claim of ``name``: another connection holds a live
+    lease row of ``name`` inserted and not committed, so the lessee's upsert of that name —
+    the first of its names in byte order, which it claims in that order — waits for it, as
+    information_schema.innodb_trx or pg_stat_activity shows (awaited, never guessed with a
+    sleep). Its read did not see that row (a plain consistent read on MySQL/MariaDB; the
+    statement's snapshot on PostgreSQL, whose rows it also locked) and picked ``name``'s row
+    as a candidate. What the test does meanwhile happens between the read and the claim;
+    :meth:`release` lets the claim go on."""
+
+    def __init__(self, db: AppDB, lease_table: str, name: str, lessee: object) -> None:
+        self.db, self.lease_table = db, lease_table
+        self.blocker = AppDB(db.url)
+        self.blocker.execute("BEGIN")
+        self.blocker.execute(BLOCKER_ROW[db.scheme].format(t=lease_table),
+                             (name.encode(), "b" * 32))  # fmt: skip
+        self.result: list[object] = []
+        self.thread = threading.Thread(target=lambda: self.result.append(self._run(lessee)))
+        self.thread.start()
+        eventually(self.waiting, timeout=20, what="the lessee's claim waiting for the row")
+
+    @staticmethod
+    def _run(lessee: object) -> object:
+        try:
+            batch = lessee()  # type: ignore[operator]
+            batch.__enter__()
+            return batch
+        except BaseException as exc:
+            return exc
+
+    def waiting(self) -> bool:
+        [(count,)] = self.db.execute(CLAIM_WAITS[self.db.scheme].format(t=self.lease_table))
+        return bool(count)
+
+    def release(self, commit: bool = False) -> latchkey.LeaseBatch:
+        """End the blocker's transaction (COMMIT: its row becomes another holder's live
+        lease); the lessee's batch, once its claim (and, on MySQL, its second read) is done."""
+        assert self.thread.is_alive() and self.waiting(), "the lessee stopped waiting early"
+        self.blocker.execute("COMMIT" if commit else "ROLLBACK")
+        self.thread.join(30)
+        self.blocker.close()
+        (batch,) = self.result
+        assert not isinstance(batch, BaseException), batch
+        return batch  # type: ignore[return-value]
+
+
+#: Why the tests of the read, claim and second read skip PostgreSQL.
+MYSQL_ONLY = "PostgreSQL locks the rows it reads: no other lessee gets them between read and claim"
+
+
+def lease_table_of(url: str) -> str:
+    return parse_qs(urlsplit(url).query).get("table", ["latchkey_locks"])[0]
+
+
+@pytest.fixture
+def patient(store: latchkey.Store, store_url: str, connect: Any) -> Iterator[latchkey.Store]:
+    """The store (a server's) with a 30 s timeout: a claim may wait for a row lock that long
+    (MySQL's innodb_lock_wait_timeout is half the timeout, PostgreSQL's statement_timeout
+    all of it), however slow the machine."""
+    if store.scheme not in BLOCKER_ROW:
+        pytest.skip(f"{store.scheme}: no row-lock wait to hold a lessee in")
+    slow = connect(with_query(store_url, timeout="30s"))
+    slow.init()  # the lease table, which the blocker writes to
+    try:
+        yield slow
+    finally:
+        slow.close()
+
+
+def test_a_lease_fills_its_batch_after_losing_a_claim_to_a_lease_committed_meanwhile(
+    patient: latchkey.Store, store_url: str, db: AppDB
+) -> None:
+    """PostgreSQL: a lessee locks rows 1-3 (none leased in its snapshot), then its claim of
+    row 1 waits for another transaction's lease of it, which commits: that claim fails, and
+    the lessee reads again — a fresh snapshot, which sees that lease — and fills its batch
+    with row 4."""
+    if patient.scheme != "postgresql":
+        pytest.skip("MySQL/MariaDB: a lease that lost a claim keeps what it got (tested below)")
+    table = db.create_events(5)
+    queue = patient.rows(table, where="processed_at IS NULL", order_by="id")
+    held = HeldAtItsClaim(db, lease_table_of(store_url), f"{table}:1",
+                          lambda: queue.lease(limit=3, ttl=60))  # fmt: skip
+    with queue.lease(limit=5, ttl=60) as meanwhile:  # rows 1-3 are locked: skipped
+        assert [row["id"] for row in meanwhile] == [4, 5]
+    batch = held.release(commit=True)
+    assert [row["id"] for row in batch] == [2, 3, 4]
+    for row in batch:
+        info = patient.inspect(f"{table}:{row['id']}")
+        assert info is not None and info.token == batch.token(row)
+    one = patient.inspect(f"{table}:1")
+    assert one is not None and one.holders[0].owner.pid == 0  # the blocker's, untouched
+    batch.__exit__(None, None, None)
+
+
+def test_mysql_lessee_that_loses_the_race_gets_only_what_it_leased(
+    patient: latchkey.Store, store_url: str, db: AppDB
+) -> None:
+    """MySQL/MariaDB: between a lessee's read (rows 1-4) and its claim, another lessee
+    leases row 3, a worker finishes row 2 (complete: its lease ends with the work), another
+    leases row 4 and gives it back unfinished. The lessee then gets rows 1 and 4 only — not 3
+    (another's), not 2 (no longer due: its second read drops it and gives the lease back at
+    once) — with row 4's token above the one before it, and every row stays accounted for."""
+    if patient.scheme != "mysql":
+        pytest.skip(MYSQL_ONLY)
+    table = db.create_events(5)
+
+    def queue(where: str = "") -> latchkey.Rows:
+        return patient.rows(table, where=f"processed_at IS NULL{where}", order_by="id")
+
+    held = HeldAtItsClaim(db, lease_table_of(store_url), f"{table}:1",
+                          lambda: queue().lease(limit=4, ttl=60))  # fmt: skip
+    winner = queue(" AND id = 3").lease(limit=1, ttl=60)
+    winner.__enter__()
+    assert [row["id"] for row in winner] == [3]
+    with queue(" AND id = 2").lease(limit=1, ttl=60) as finisher:
+        assert [row["id"] for row in finisher] == [2]
+        with finisher.complete(*finisher.rows) as tx:
+            tx.execute(f"UPDATE {table} SET processed_at = 1 WHERE id = %s", (2,))
+    with queue(" AND id = 4").lease(limit=1, ttl=60) as giver:
+        assert [row["id"] for row in giver] == [4]
+        given_back = giver.token(giver.rows[0])
+    batch = held.release()
+
+    assert [row["id"] for row in batch] == [1, 4]
+    assert all(row["processed_at"] is None for row in batch)
+    one, four = batch.rows
+    assert batch.token(four) > given_back  # fenced: above the lease that row had before
+    for row, holder in ((one, batch), (four, batch), (winner.rows[0], winner)):
+        info = patient.inspect(f"{table}:{row['id']}")
+        assert info is not None and info.token == holder.token(row)
+    assert patient.is_free(f"{table}:2") and processed(db, table) == [2]
+    states = {s.key: (s.state, s.lease and s.lease.token) for s in queue().status()}
+    assert states == {
+        1: ("leased", batch.token(one)), 3: ("leased", winner.token(winner.rows[0])),
+        4: ("leased", batch.token(four)), 5: ("free", None),
+    }  # fmt: skip
+    with queue().lease(limit=5, ttl=60) as rest:
+        assert [row["id"] for row in rest] == [5]
+    batch.__exit__(None, None, None)
+    winner.__exit__(None, None, None)
+    with queue().lease(limit=5, ttl=60) as everything:
+        assert [row["id"] for row in everything] == [1, 3, 4, 5]  # nothing lost
+
+
+@pytest.mark.parametrize("blocker", ["rolled-back", "committed"])
+def test_mysql_lessee_that_loses_every_row_gets_an_empty_batch(
+    patient: latchkey.Store, store_url: str, db: AppDB, blocker: str
+) -> None:
+    """MySQL/MariaDB: between a lessee's read (rows 1 and 2) and its claim, another lessee
+    leases row 2 and row 1 stops being due — the application marks it done (the blocker
+    rolls back: the claim gets row 1's lease, its second read drops the row and gives the
+    lease back) or another holder's lease of it commits (the claim gets nothing and, reading
+    again, finds nothing due). Either way the batch is empty and no lease is left behind."""
+    if patient.scheme != "mysql":
+        pytest.skip(MYSQL_ONLY)
+    table = db.create_events(2)
+    queue = patient.rows(table, where="processed_at IS NULL", order_by="id")
+    held = HeldAtItsClaim(db, lease_table_of(store_url), f"{table}:1",
+                          lambda: queue.lease(limit=2, ttl=60))  # fmt: skip
+    with patient.rows(table, where="processed_at IS NULL AND id = 2").lease(ttl=60) as winner:
+        assert [row["id"] for row in winner] == [2]
+        if blocker == "rolled-back":
+            db.execute(f"UPDATE {table} SET processed_at = 1 WHERE id = 1")
+        batch = held.release(commit=blocker == "committed")
+        assert not batch and batch.rows == []
+        info = patient.inspect(f"{table}:2")
+        assert info is not None and info.token == winner.token(winner.rows[0])
+        one = patient.inspect(f"{table}:1")
+        if blocker == "rolled-back":
+            assert one is None  # leased by the claim, given back by the second read
+        else:
+            assert one is not None and one.holders[0].owner.pid == 0  # the blocker's, as it was
+        batch.__exit__(None, None, None)
+    with queue.lease(limit=2, ttl=60) as rest:
+        assert [row["id"] for row in rest] == [2]  # row 1: done, or the blocker's
 
 
 def test_status_shows_free_leased_and_locked_rows(store: latchkey.Store, db: AppDB) -> None:

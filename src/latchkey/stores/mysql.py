@@ -20,9 +20,11 @@ primitive) is a lost race (``Busy`` with fewer holders than the limit): the core
 Fencing tokens are the lease table's ``AUTO_INCREMENT`` column: the upsert draws a fresh value
 for every row it inserts and copies it (``VALUES(token)``) into every row it takes over, so a
 grant needs no second statement. InnoDB keeps that counter across DELETE, purge and restart on
-MySQL 8 and MariaDB ≥ 10.2.4, values are never reused, and a grant's value is drawn while it
-waits for the row, after the previous holder's, so tokens increase per name (and across a
-semaphore's slots) in grant order.
+MySQL 8 and MariaDB ≥ 10.2.4 and values are never reused. An INSERT draws its values when it
+starts, before it waits for a row lock; so every upsert names one row (a batch claim is one
+upsert per name, in one transaction: CLAIM): it waits only for that row, whose holder's grant,
+if any, drew its value before ours, and tokens increase per name (and across a semaphore's
+slots) in grant order.
 
 Several hosts (``mysql://user@h1:3306,h2:3306/db``): each new connection goes to the first that
 takes writes, so the store follows a failover by itself (:mod:`latchkey.stores.io.mysql_dsn`).
@@ -48,38 +50,10 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, store_connect_args
 from latchkey.stores.io.mysql_session import SESSION, Contended, Duplicate
+from latchkey.stores.mysql_tables import Tables
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
-
-SCHEMA_VERSION = 1
-
-# {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
-# make that safe when many processes start at once.
-CREATE = """
-CREATE TABLE IF NOT EXISTS {t} (
-    name        VARBINARY(255) NOT NULL,  -- the lock name's UTF-8 bytes
-    slot        INT            NOT NULL,  -- 0 for a mutex; 0..limit-1 for a semaphore
-    owner       CHAR(32)       NOT NULL,  -- the holder's secret owner token
-    owner_info  TEXT           NOT NULL,  -- JSON: host, pid, started, thread, metadata
-    token       BIGINT         NOT NULL AUTO_INCREMENT,  -- fencing token, never reused
-    acquired_at DATETIME(6)    NOT NULL,  -- UTC, server clock
-    expires_at  DATETIME(6)    NOT NULL,  -- UTC, server clock; <= now means free
-    PRIMARY KEY (name, slot),
-    KEY {t}_token (token),
-    KEY {t}_expires (expires_at)
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
-CREATE TABLE IF NOT EXISTS {t}_meta (
-    k VARCHAR(32) NOT NULL PRIMARY KEY,   -- 'schema_version'
-    v BIGINT      NOT NULL
-) ENGINE=InnoDB;
-INSERT IGNORE INTO {t}_meta (k, v) VALUES ('schema_version', {version});
-CREATE TABLE IF NOT EXISTS {t}_records (
-    name    VARBINARY(255) NOT NULL PRIMARY KEY,
-    value   LONGTEXT       NOT NULL,      -- JSON
-    version BIGINT         NOT NULL       -- 1 after the first write, +1 per write
-) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
-"""
 
 # The takeover clause of every upsert: on a duplicate key each column changes only if the old
 # lease has expired. expires_at is assigned last, so every test still sees the old value
@@ -158,20 +132,32 @@ VALUES (@lk_name, @lk_slot, %(owner)s, %(info)s, NULL, UTC_TIMESTAMP(6),
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
 {LIVE_OF}"""
 
-# Batch claim: one multi-row upsert (atomic), then what we own. In (positional): owner, info,
-# ttl_us, the sorted names ({rows}: one placeholder row each; sorted so that concurrent claims
-# lock rows in one order), owner, the names again ({names}). Each taken row draws its own token.
-CLAIM = f"""
+# Batch claim: one upsert per name, in one transaction, then what we own. In (positional):
+# owner, info, ttl_us, the sorted names ({rows}: one CLAIM_ROW each; sorted so that
+# concurrent claims lock rows in one order), owner, the names again ({names}). One statement
+# per name, not one multi-row upsert: an INSERT draws its AUTO_INCREMENT values when it
+# starts, so a multi-row one drew every name's token before waiting for the first name's row;
+# meanwhile another worker could lease a later name and release it, and our grant of that
+# name then carried a smaller token than the one before it. Each statement draws its name's
+# token after the waits for the names before it, as a single acquire does. One transaction:
+# one commit for the batch. A failed statement leaves the transaction open (a lock-wait
+# timeout rolls back only the statement): claim() rolls it back.
+CLAIM = """
 SET @lk_own = %s, @lk_info = %s, @lk_ttl = %s;
+START TRANSACTION;
+{rows}
+SELECT name, token, expires_at FROM {t}
+ WHERE owner = %s AND name IN ({names}) AND slot = 0 AND expires_at > UTC_TIMESTAMP(6);
+COMMIT"""
+CLAIM_ROW = f"""
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
-VALUES {{rows}}
-ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};
-SELECT name, token, expires_at FROM {{t}}
- WHERE owner = %s AND name IN ({{names}}) AND slot = 0 AND expires_at > UTC_TIMESTAMP(6)"""
-CLAIM_ROW = (
-    "(%s, 0, @lk_own, @lk_info, NULL, UTC_TIMESTAMP(6), "
-    "UTC_TIMESTAMP(6) + INTERVAL @lk_ttl MICROSECOND)"
-)
+VALUES (%s, 0, @lk_own, @lk_info, NULL, UTC_TIMESTAMP(6),
+        UTC_TIMESTAMP(6) + INTERVAL @lk_ttl MICROSECOND)
+ON DUPLICATE KEY UPDATE {TAKE_EXPIRED};"""
+# On MariaDB CLAIM_ROW is prepared per connection (with ? for %s): a claim of ten names then
+# sends and parses ten short EXECUTEs, not ten copies of the upsert.
+CLAIM_ROW_PREPARED = CLAIM_ROW.replace("%s", "?").strip().rstrip(";")
+EXECUTE_CLAIM_ROW = "\nEXECUTE latchkey_claim_row USING %s;"
 
 # Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
 # An expired row of ours is left for the next taker or purge (it is already free). Prepared
@@ -226,8 +212,12 @@ SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
 
 # MariaDB: the hot statements, prepared at connect (names are per session). MariaDB's EXECUTE
 # takes literal values (MySQL's only user variables), which the driver escapes as it does any
-# parameter. The prepared text is itself a parameter of PREPARE. In: the two statement texts.
-PREPARE = "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s"
+# parameter. The prepared text is itself a parameter of PREPARE. In: the three statement
+# texts.
+PREPARE = (
+    "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s; "
+    "PREPARE latchkey_claim_row FROM %s"
+)
 # Positional parameters (a tuple is escaped with less work than a dict). In: name, owner,
 # info, ttl_us, owner.
 EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
@@ -239,7 +229,7 @@ def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
 
-class MySQL(RowClaims, LeaseTable):
+class MySQL(Tables, RowClaims, LeaseTable):
     """The lease table in MySQL or MariaDB (see the module docstring)."""
 
     scheme = "mysql"
@@ -251,13 +241,13 @@ class MySQL(RowClaims, LeaseTable):
     RECORD_GET, RECORD_INSERT, RECORD_UPDATE = RECORD_GET, RECORD_INSERT, RECORD_UPDATE
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
-    CLAIM, RELEASE_MANY, EXTEND = CLAIM, RELEASE_MANY, EXTEND
+    CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND = CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND
     RELEASE_FENCED = RELEASE_FENCED
-    RELEASE_PREPARED = RELEASE_PREPARED
+    RELEASE_PREPARED, CLAIM_ROW_PREPARED = RELEASE_PREPARED, CLAIM_ROW_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
-        self.prepared = False  # acquire and release EXECUTE (MariaDB): set by setup()
+        self.prepared = False  # acquire, release, claim EXECUTE (MariaDB): set by setup()
         self.connect_args: dict[str, Any] = store_connect_args(backend)  # borrowed: none
 
     def setup(self, server_version: str) -> list[Query]:
@@ -266,17 +256,14 @@ class MySQL(RowClaims, LeaseTable):
         self.prepared = "mariadb" in server_version.lower()
         steps = [Query(SESSION, (self.lock_wait_timeout(),)), self.tables()]
         if self.prepared:
-            steps.append(Query(PREPARE, (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED)))
+            texts = (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED, self.CLAIM_ROW_PREPARED)
+            steps.append(Query(PREPARE, texts))
         return steps
 
     def lock_wait_timeout(self) -> int:
         """``innodb_lock_wait_timeout`` (whole seconds): a row-lock wait ends before our
         timeout."""
         return max(1, math.floor(self.timeout / 2))
-
-    def tables(self) -> Query:
-        """The script creating the tables if they do not exist (multi-statement)."""
-        return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION))
 
     def time(self, value: Any) -> datetime:
         return utc(value)
@@ -328,11 +315,16 @@ class MySQL(RowClaims, LeaseTable):
             return {}
         keys = sorted(name.encode() for name in names)
         marks = ", ".join(["%s"] * len(keys))
-        sql = self.CLAIM.format(rows=", ".join([CLAIM_ROW] * len(keys)), names=marks)
+        row = EXECUTE_CLAIM_ROW if self.prepared else self.CLAIM_ROW
+        sql = self.CLAIM.format(rows="".join([row] * len(keys)), names=marks)
         try:
             rows, _ = yield Query(sql, (owner, owner_info, _us(ttl), *keys, owner, *keys))
         except Contended:
-            return {}  # lost a deadlock to another claim: every name was contended just now
+            # Lost a deadlock (the server rolled the transaction back) or waited out the
+            # lock-wait timeout (it rolled back that statement only): nothing of this claim
+            # may commit. Every name was contended just now.
+            yield Query("ROLLBACK")
+            return {}
         return {bytes(row[0]).decode(): Grant(int(row[1]), utc(row[2])) for row in rows}
 
     def release_many(self, names: Sequence[str], owner: str) -> Steps[int]:

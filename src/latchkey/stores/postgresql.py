@@ -46,19 +46,14 @@ from latchkey.stores.io.psycopg import (
     timestamptz,
     utc,
 )
-from latchkey.stores.postgresql_tables import Tables, table_name
+from latchkey.stores.postgresql_rows import RowLeases
+from latchkey.stores.postgresql_tables import COLUMNS, TAKE_OVER, Tables, table_name
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import POSTGRESQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
 #: The parameter formats of the two Prepared statements: the name in binary, the rest text.
 MUTEX_FORMATS, RELEASE_FORMATS = (1, 0, 0, 0), (1, 0)
-COLUMNS = "(name, slot, owner, owner_info, token, acquired_at, expires_at)"
-# An acquire takes a slot over only if its lease expired (re-checked on the newest row version).
-TAKE_OVER = """ON CONFLICT (name, slot) DO UPDATE SET owner = excluded.owner,
-    owner_info = excluded.owner_info, token = excluded.token,
-    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-WHERE l.expires_at <= now()"""
 
 
 def mutex_busy(row: Sequence[Any] | None) -> Grant | Busy:
@@ -85,7 +80,7 @@ def slot_answer(row: Sequence[Any]) -> Grant | Busy:
     return Busy(holders=live, holder=soonest, retry_after=max(0.0, left))
 
 
-class PostgreSQL(RowClaims, Tables, LeaseTable):
+class PostgreSQL(RowLeases, RowClaims, Tables, LeaseTable):
     """The lease table in PostgreSQL. Statements: ``{t}`` is the table's name (validated: an
     identifier, so quoting is enclosing it in quotes), ``{s}`` the quoted schema and a dot, or
     nothing; ``$n`` are parameters; names are always bytea parameters (their UTF-8 bytes)."""

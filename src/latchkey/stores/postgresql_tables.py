@@ -17,6 +17,13 @@ from latchkey.stores.io import Steps
 from latchkey.stores.sql import Query
 
 SCHEMA_VERSION = 1
+#: The lease table's columns, in the order every INSERT lists them.
+COLUMNS = "(name, slot, owner, owner_info, token, acquired_at, expires_at)"
+# An acquire takes a slot over only if its lease expired (re-checked on the newest row version).
+TAKE_OVER = """ON CONFLICT (name, slot) DO UPDATE SET owner = excluded.owner,
+    owner_info = excluded.owner_info, token = excluded.token,
+    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+WHERE l.expires_at <= now()"""
 # A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
 # several processes starting at once do not race in CREATE … IF NOT EXISTS.
 DDL_LOCK_KEY = 0x6C6174636B6B6579

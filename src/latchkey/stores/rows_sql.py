@@ -8,13 +8,13 @@ Two ways to claim rows (DESIGN.md §7):
   SKIP LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``, which serialises writers), the
   application's statements run in that transaction, and the batch ends in COMMIT or ROLLBACK;
 - *lease*: the due rows that have no live lease in latchkey's lease table get one, named
-  ``<table>:<key>``, through the dialect's batch claim (atomic, fenced like any lock). On
-  PostgreSQL and SQLite in one short transaction: the candidates are read ``FOR UPDATE SKIP
-  LOCKED`` (SQLite: inside ``BEGIN IMMEDIATE``), so concurrent lessees get disjoint rows, then
-  claimed, then COMMIT. On MySQL/MariaDB (where that ran slower: ``rows_lease`` says why) the
-  candidates are read and claimed in autocommit statements, then read again, and those no
-  longer due (another worker finished them between our two reads) are released at once. No
-  transaction stays open while the work runs;
+  ``<table>:<key>``, through the dialect's batch claim (fenced like any lock). On PostgreSQL
+  in one statement (the store's ``ROWS_LEASE``: the candidates read ``FOR UPDATE SKIP
+  LOCKED``, so concurrent lessees get disjoint rows, and claimed, in a CTE); on SQLite in one
+  ``BEGIN IMMEDIATE`` transaction: read, claim, COMMIT. On MySQL/MariaDB (where a locking
+  read ran slower: ``rows_lease`` says why) the candidates are read and claimed in autocommit
+  statements, then read again, and those no longer due (another worker finished them between
+  our two reads) are released at once. No transaction stays open while the work runs;
 - *complete*: a leased row's work and the end of its lease in one transaction on a pinned
   connection: the application's statements, then the rows' leases deleted only if still
   ours and live (owner and fencing token), then COMMIT — or ROLLBACK if a lease was lost.
@@ -241,15 +241,15 @@ class RowClaims:
     def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
-        """Lease up to ``limit`` due rows with no live lease: on PostgreSQL and SQLite in one
-        transaction that locks its candidates (SQLite: whose write transaction serialises
-        lessees); on MySQL/MariaDB by reads and a claim in autocommit.
+        """Lease up to ``limit`` due rows with no live lease: on SQLite in one write
+        transaction (which serialises lessees; PostgreSQL overrides this with one statement
+        that locks its candidates); on MySQL/MariaDB by reads and a claim in autocommit.
 
         Why not the locked path on MySQL/MariaDB, which has SKIP LOCKED too: at 100 lessees
         on MariaDB 10.11 it ran 2.6-4.8x slower than the reads (lease10 167-300 rows/s
         against 803-824, deadlocks between the lessees' lease-table inserts and the locking
         reads' next-key locks retried by the hundred; docs/benchmarks.md), where on
-        PostgreSQL it is faster than the reads."""
+        PostgreSQL it was faster than the reads."""
         if self.ROWS is MYSQL:
             return (yield from self.rows_lease_read(spec, owner, owner_info, ttl, limit))
         return (yield from self.rows_lease_locked(spec, owner, owner_info, ttl, limit))
@@ -257,18 +257,19 @@ class RowClaims:
     def rows_lease_locked(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[list[tuple[dict[str, Any], Grant]]]:
-        """BEGIN; the due rows with no live lease, ``FOR UPDATE SKIP LOCKED`` (so a
-        concurrent lessee's candidates, locked in its own transaction, are not ours: no two
-        lessees collide); claim their names (fenced, as any claim); COMMIT. A row finished by
-        another worker is not read: its lock made us skip it until its commit, and after the
-        commit it is no longer due (PostgreSQL re-checks ``where`` on the newest row version,
-        InnoDB's locking read reads it), so no second read is needed.
+        """BEGIN (SQLite: IMMEDIATE, the database's write lock); the due rows with no live
+        lease, with the dialect's locking clause; claim their names (fenced, as any claim);
+        COMMIT. Written for any dialect with ``FOR UPDATE SKIP LOCKED`` (a concurrent
+        lessee's candidates, locked in its own transaction, are not ours; a row finished by
+        another worker is skipped until its commit, and no longer due after it), and used by
+        SQLite, whose write transaction serialises lessees.
 
-        One race is left: a lessee that commits after our statement's snapshot but before we
-        reach its rows leaves them unlocked and, to our snapshot, unleased; their claims then
-        fail. We read again in the same transaction (READ COMMITTED: a fresh snapshot, which
-        sees those leases; the rows we hold come back first and are dropped), up to
-        ``LEASE_ROUNDS`` times, until the batch is full or nothing new is due."""
+        Where the read runs on a snapshot older than the claim (READ COMMITTED: a lessee that
+        committed after our read's snapshot but before we reached its rows left them
+        unlocked and, to us, unleased), claims fail: we read again in the same transaction
+        (a fresh snapshot, which sees those leases; the rows we hold come back first and are
+        dropped), up to ``LEASE_ROUNDS`` times, until the batch is full or nothing new is
+        due."""
         d = self.ROWS
         yield from self.lease_table_ready()
         try:

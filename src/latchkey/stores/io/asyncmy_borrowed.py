@@ -68,7 +68,7 @@ from latchkey.errors import ConfigError
 from latchkey.stores.io.aio import bounded
 from latchkey.stores.io.mysql_dsn import no_database
 from latchkey.stores.io.mysql_session import REFUSED, SESSION_ENDING, Refused
-from latchkey.stores.io.pymysql_borrowed import OURS, RESTORE, SAVE, inner_result
+from latchkey.stores.io.pymysql_borrowed import OURS, RESTORE, SAVE, UNDO, inner_result
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class AsyncBorrowedConnection:
                 # (nothing ran: without multi-statements the server parsed it all as one)
                 raise no_multi_statements(self.conn, exc) from exc
             if not self.held:
-                await self.restore()
+                await self.restore(UNDO)
             if code == NO_DATABASE:
                 raise no_database("mysql") from exc
             refused = REFUSED.get(code) if isinstance(code, int) else None
@@ -191,12 +191,12 @@ class AsyncBorrowedConnection:
         await self._drain(f"{SAVE};\n{self.ours}", None, 0, 0)
         self.held = True
 
-    async def restore(self) -> None:
+    async def restore(self, sql: str = RESTORE) -> None:
         """The application's settings back (errors ignored: a connection that cannot take
-        them is broken, its owner's to replace)."""
+        them is broken, its owner's to replace); ``sql``: UNDO after a refused request."""
         self.held = False
         with contextlib.suppress(*BORROWED_ERRORS):
-            await bounded(self._drain(RESTORE, None, 0, 0), self.timeout)
+            await bounded(self._drain(sql, None, 0, 0), self.timeout)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

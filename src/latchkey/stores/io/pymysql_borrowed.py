@@ -61,6 +61,10 @@ SAVE = (
 OURS = "SET SESSION autocommit = 1, innodb_lock_wait_timeout = {lwt}, time_zone = '+00:00'"
 #: Give the application's settings back.
 RESTORE = "SET SESSION autocommit = @lk_ac, innodb_lock_wait_timeout = @lk_lwt, time_zone = @lk_tz"
+#: After a request the server refused: first end the transaction the request may have left
+#: open (a batch claim's, whose lock-wait timeout rolls back only the statement: switching
+#: autocommit back on would commit the rest), then the application's settings back.
+UNDO = f"ROLLBACK;\n{RESTORE}"
 _IN_TRANS = SERVER_STATUS.SERVER_STATUS_IN_TRANS
 
 
@@ -123,7 +127,7 @@ class BorrowedConnection:
             return drain_inner(self.cur, f"{SAVE};\n{self.ours};\n{sql};\n{RESTORE}", params, 2, 1)
         except pymysql.err.MySQLError as exc:
             if not self.held:
-                self.restore()
+                self.restore(UNDO)
             refused = REFUSED.get(exc.args[0]) if exc.args else None
             if refused is None:
                 raise
@@ -134,13 +138,13 @@ class BorrowedConnection:
         drain(self.cur, f"{SAVE};\n{self.ours}", None)
         self.held = True
 
-    def restore(self) -> None:
+    def restore(self, sql: str = RESTORE) -> None:
         """The application's settings back (errors ignored: a connection that cannot take
-        them is broken, its owner's to replace)."""
+        them is broken, its owner's to replace); ``sql``: UNDO after a refused request."""
         self.held = False
         with contextlib.suppress(*DRIVER_ERRORS):
             if self.conn.open:
-                drain(self.cur, RESTORE, None)
+                drain(self.cur, sql, None)
 
     def close(self) -> None:
         with contextlib.suppress(*DRIVER_ERRORS):

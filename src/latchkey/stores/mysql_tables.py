@@ -1,0 +1,52 @@
+"""The MySQL/MariaDB store's tables (:mod:`latchkey.stores.mysql`): created by the script
+every new connection runs first (``IF NOT EXISTS`` and ``INSERT IGNORE`` make that safe when
+many processes start at once), with the schema version beside them.
+
+Kept beside the store module, not in it, only for length (as ``postgresql_tables``): the
+store module is its statements, reply parsing and primitives; this one is the tables they
+run on, mixed into the store as :class:`Tables`.
+"""
+
+from __future__ import annotations
+
+from latchkey.stores.sql import Query
+
+SCHEMA_VERSION = 1
+
+# {t}: the validated table name. Sent at every (re)connect; IF NOT EXISTS and INSERT IGNORE
+# make that safe when many processes start at once.
+CREATE = """
+CREATE TABLE IF NOT EXISTS {t} (
+    name        VARBINARY(255) NOT NULL,  -- the lock name's UTF-8 bytes
+    slot        INT            NOT NULL,  -- 0 for a mutex; 0..limit-1 for a semaphore
+    owner       CHAR(32)       NOT NULL,  -- the holder's secret owner token
+    owner_info  TEXT           NOT NULL,  -- JSON: host, pid, started, thread, metadata
+    token       BIGINT         NOT NULL AUTO_INCREMENT,  -- fencing token, never reused
+    acquired_at DATETIME(6)    NOT NULL,  -- UTC, server clock
+    expires_at  DATETIME(6)    NOT NULL,  -- UTC, server clock; <= now means free
+    PRIMARY KEY (name, slot),
+    KEY {t}_token (token),
+    KEY {t}_expires (expires_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+CREATE TABLE IF NOT EXISTS {t}_meta (
+    k VARCHAR(32) NOT NULL PRIMARY KEY,   -- 'schema_version'
+    v BIGINT      NOT NULL
+) ENGINE=InnoDB;
+INSERT IGNORE INTO {t}_meta (k, v) VALUES ('schema_version', {version});
+CREATE TABLE IF NOT EXISTS {t}_records (
+    name    VARBINARY(255) NOT NULL PRIMARY KEY,
+    value   LONGTEXT       NOT NULL,      -- JSON
+    version BIGINT         NOT NULL       -- 1 after the first write, +1 per write
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
+"""
+
+
+class Tables:
+    """Creates the tables of a MySQL store (mixed into ``MySQL``, whose validated table name
+    renders ``{t}``)."""
+
+    table: str
+
+    def tables(self) -> Query:
+        """The script creating the tables if they do not exist (multi-statement)."""
+        return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION))
