@@ -848,7 +848,10 @@ def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) ->
             for _ in range(98):  # each release wakes the next in line not woken yet
                 assert isinstance(await backend.acquire("w0", "a" * 32, INFO, 30), Grant)
                 assert await backend.release("w0", "a" * 32) is True
-            woken = await asyncio.gather(*(w.wait(10) for w in waiters[10::10]))
+            # Every announcement read before anyone waits: a waiter whose wait has taken its
+            # ring is first in line again, and a later announcement would ring it twice.
+            await _until(lambda: _rung(waiters[10::10]), "each release rang the next in line")
+            woken = await asyncio.gather(*(w.wait(0) for w in waiters[10::10]))
             assert all(woken) and len(woken) == 99
             assert await waiters[1].wait(0.05) is False  # w1 was not released
             await asyncio.gather(*(w.close() for w in waiters[1:]))
@@ -860,6 +863,10 @@ def test_async_a_thousand_waiters_share_one_pubsub_connection(redis_url: str) ->
             await backend.aclose()
 
     asyncio.run(main())
+
+
+async def _rung(waiters: list[Any]) -> bool:
+    return all(w._event.is_set() for w in waiters)
 
 
 async def _none(items: Awaitable[list[Any]]) -> bool:

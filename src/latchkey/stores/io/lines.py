@@ -25,6 +25,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 from latchkey._types import Busy, Grant
 from latchkey.stores.base import AsyncWaiter, Waiter
@@ -63,14 +64,20 @@ class Lines:
 
     def leave(self, waiter: LineWaiter, pass_on: bool) -> None:
         with self.lock:
-            line = self.names.get(waiter.name)
-            if line is None:
-                return
-            line.pop(waiter, None)
-            if pass_on:
-                _ring_first(line)
-            if not line:
-                del self.names[waiter.name]
+            _leave(self.names, waiter, pass_on)
+
+
+def _leave(names: Any, waiter: Any, pass_on: bool) -> None:
+    """``waiter`` leaves its line; ``pass_on``: it was rung and did not get the lease, so the
+    next is rung in its place. An empty line is dropped."""
+    line = names.get(waiter.name)
+    if line is None:
+        return
+    line.pop(waiter, None)
+    if pass_on:
+        _ring_first(line)
+    if not line:
+        del names[waiter.name]
 
 
 def _ring_first(line: dict[LineWaiter, None] | dict[AsyncLineWaiter, None]) -> None:
@@ -122,14 +129,7 @@ class AsyncLines:
         _ring_first(self.names.get(name, {}))
 
     def leave(self, waiter: AsyncLineWaiter, pass_on: bool) -> None:
-        line = self.names.get(waiter.name)
-        if line is None:
-            return
-        line.pop(waiter, None)
-        if pass_on:
-            _ring_first(line)
-        if not line:
-            del self.names[waiter.name]
+        _leave(self.names, waiter, pass_on)
 
 
 class AsyncLineWaiter(AsyncWaiter):
