@@ -34,7 +34,10 @@ from latchkey.stores.base import AsyncWaiter, Waiter
 AHEAD_COUNTED = 64
 
 
-def _place(line: Iterable[object], mine: object) -> int:
+def place_in_line(line: Iterable[object], mine: object) -> int:
+    """How many of ``line`` (one name's waiters in this process, in the order they came) come
+    before ``mine``, up to :data:`AHEAD_COUNTED`; 0 if it is not there. Also the Redis
+    listeners' (:mod:`latchkey.stores.io.redis`): whoever keeps a line in arrival order."""
     for i, other in enumerate(line):
         if other is mine or i >= AHEAD_COUNTED:
             return i
@@ -105,7 +108,7 @@ class LineWaiter(Waiter):
     @property
     def ahead(self) -> int:
         with self.lines.lock:
-            return _place(self.lines.names.get(self.name, {}), self)
+            return place_in_line(self.lines.names.get(self.name, {}), self)
 
     def finish(self, result: Grant | Busy) -> None:
         self.granted = type(result) is Grant
@@ -152,7 +155,7 @@ class AsyncLineWaiter(AsyncWaiter):
 
     @property
     def ahead(self) -> int:
-        return _place(self.lines.names.get(self.name, {}), self)
+        return place_in_line(self.lines.names.get(self.name, {}), self)
 
     async def finish(self, result: Grant | Busy) -> None:
         self.granted = type(result) is Grant

@@ -52,6 +52,7 @@ from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
 from latchkey.stores.io import Driver, Steps, after_fork
+from latchkey.stores.io.lines import place_in_line
 from latchkey.stores.io.redis_options import uses_tls
 from latchkey.stores.redis import Command, Subscribe
 
@@ -465,21 +466,6 @@ class Listener:
         self.conn.disconnect()
 
 
-#: ``ahead`` counts at most this many waiters (the core's poll stops growing well before).
-AHEAD_COUNTED = 64
-
-
-def waiters_ahead(line: Any, mine: object) -> int:
-    """How many of ``line`` (a channel's waiters, in the order they came) come before
-    ``mine``, up to :data:`AHEAD_COUNTED`; 0 if it is not there."""
-    for i, other in enumerate(line):
-        if other is mine:
-            return i
-        if i >= AHEAD_COUNTED:
-            return i
-    return 0
-
-
 def _wake_first(slots: dict[Slot, None]) -> bool:
     """Wake the first waiter not woken yet; False if there is none."""
     for slot in slots:
@@ -507,7 +493,7 @@ class PushWaiter(Waiter):
         if listener.error is not None:
             return 0
         with listener.cond:
-            return waiters_ahead(listener.channels.get(self._channel, ()), self._slot)
+            return place_in_line(listener.channels.get(self._channel, ()), self._slot)
 
     def finish(self, result: Grant | Busy) -> None:
         self._granted = type(result) is Grant

@@ -43,13 +43,13 @@ from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver
+from latchkey.stores.io.lines import place_in_line
 from latchkey.stores.io.redis import (
     CHECK_AFTER,
     borrowed_settings,
     pack,
     pack_script,
     settings,
-    waiters_ahead,
 )
 from latchkey.stores.redis import Command, Subscribe
 
@@ -379,7 +379,7 @@ class PushWaiter(AsyncWaiter):
         listener = self._listener
         if listener.error is not None:
             return 0
-        return waiters_ahead(listener.channels.get(self._channel, ()), self._event)
+        return place_in_line(listener.channels.get(self._channel, ()), self._event)
 
     async def wait(self, timeout: float) -> bool:
         listener, event = self._listener, self._event
