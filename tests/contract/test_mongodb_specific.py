@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import threading
 import time
 import uuid
@@ -366,10 +367,15 @@ def test_async_cancelled_requests_leave_nothing_held_and_the_backend_working(
         try:
             await backend.init()
             await asyncio.gather(*(backend.now() for _ in range(8)))  # idle connections
-            started = time.monotonic()
-            for _ in range(10):
+            # The median of single round trips: a mean is pulled up by one slow call of the
+            # emulated server (seen: a mean three times the usual, so most delays outlasted
+            # the round trip and only 98 of 300 acquires were cut off).
+            times = []
+            for _ in range(15):
+                started = time.monotonic()
                 await backend.acquire("warm", A, INFO, 10)
-            round_trip = (time.monotonic() - started) / 10
+                times.append(time.monotonic() - started)
+            round_trip = statistics.median(times)
             cancelled = 0
             for i in range(300):
                 lock = store.lock(f"c{i}", ttl=60, wait=0)
