@@ -12,6 +12,7 @@ import hashlib
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from latchkey.stores.memcached import (
     Memcached,
     MemcachedBackend,
 )
+from latchkey.stores.memcached_wire import Clocks
 from latchkey.stores.memcached_wire import ttl_arg as _ttl_arg
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
@@ -386,9 +388,24 @@ def test_a_forked_child_neither_shares_sockets_nor_remembered_leases(
 # -- TTLs ------------------------------------------------------------------------------------
 
 
-def test_ttl_is_rounded_up_and_padded_by_a_second() -> None:
-    assert [_ttl_arg(t, 1e9) for t in (0.2, 1.0, 1.5, 59.9, 60)] == [2, 2, 3, 61, 61]
-    assert _ttl_arg(40 * 86400, 1_700_000_000.5) == 1_700_000_000 + 40 * 86400 + 1  # absolute
+def test_expiry_is_an_absolute_time_rounded_up_from_the_clocks_upper_bound() -> None:
+    now = 1_700_000_000.3  # an upper bound of the server's clock
+    assert [_ttl_arg(t, now) - 1_700_000_000 for t in (0.2, 0.7, 1.0, 59.9, 60)] == [
+        1, 1, 2, 61, 61,
+    ]  # fmt: skip
+    assert _ttl_arg(40 * 86400, now) == 1_700_000_000 + 40 * 86400 + 1
+
+
+def test_the_clock_bound_is_never_below_the_server_clock_and_never_moves_back() -> None:
+    """``stats`` time trails the server's clock by up to 2 s; a read served as a stalled
+    server thaws trails it by the stall, and within one server process it is not taken."""
+    clocks = Clocks(1)
+    clocks.read(0, 1000, before=50.0, after=50.2, same=False)
+    assert clocks.upper[0] == 1000 + 2.0 - 50.0 and clocks.mid[0] == 1000 + 0.5 - 50.1
+    clocks.read(0, 1003, before=60.0, after=60.1, same=True)  # 7 s behind: a stale read
+    assert clocks.upper[0] == 1000 + 2.0 - 50.0
+    clocks.read(0, 1003, before=60.0, after=60.1, same=False)  # a new server process
+    assert clocks.upper[0] == 1003 + 2.0 - 60.0
 
 
 def test_a_lease_never_ends_before_its_ttl(backend: MemcachedBackend) -> None:
@@ -407,7 +424,8 @@ def test_busy_reports_memcached_remaining_ttl(backend: MemcachedBackend) -> None
     backend.acquire("n", A, INFO, 5)
     busy = backend.acquire("n", B, INFO, 5)
     assert isinstance(busy, Busy) and busy.holders == 1 and busy.holder is not None
-    assert busy.retry_after is not None and 4 <= busy.retry_after <= 6
+    # The item lasts from the lease's end (5 s) to 2 s + 1 s of rounding past it.
+    assert busy.retry_after is not None and 5 <= busy.retry_after <= 8
 
 
 def test_store_clock_is_memcached_clock_within_a_second(
@@ -1126,3 +1144,38 @@ def test_async_same_owner_gets_its_lease_back_with_one_round_trip_each(
             await b.aclose()
 
     asyncio.run(main())
+
+
+def test_a_lease_granted_as_a_frozen_server_thaws_lasts_its_ttl(
+    own_servers: list[RunningServer], closing: list[Any]
+) -> None:
+    """memcached's clock is a whole-second counter that its main thread advances once a
+    second; a request its worker threads serve before that thread's next tick reads the old
+    value. After a stall (SIGSTOP, a VM pause), the requests queued during it are served first:
+    an item stored then with a relative TTL of T seconds expires at the first tick, since its
+    expiry was counted from the clock as it stood when the stall began (seen: a TTL of 2 s
+    gone within 20 ms, six times in six). A lease sent 3 s into a stall must still last its
+    TTL from when it was sent, so the store gives memcached absolute expiry times, counted on
+    its own estimate of the server's clock (which a stalled server does not hold back)."""
+    server = own_servers[0]
+    holder = open_backend(f"{server.url}?timeout=20s")
+    other = open_backend(f"{server.url}?timeout=20s")
+    closing.extend([holder, other])
+    for b in (holder, other):  # connected and greeted before the stall
+        assert isinstance(b.acquire(f"warm-{uuid.uuid4().hex}", A, INFO, 60), Grant)
+    result: list[Any] = []
+    with server.frozen():
+        time.sleep(3.0)  # the stall: memcached's clock stands still from here
+        sent = time.monotonic()
+        thread = threading.Thread(target=lambda: result.append(holder.acquire("job", A, INFO, 5)))
+        thread.start()
+        time.sleep(0.3)  # the request is written to the frozen server's socket
+    thread.join(timeout=20)
+    assert result and isinstance(result[0], Grant), result
+    # The holder's own deadline is the send time + 5 s; until shortly before it nobody else
+    # may get the name (before the fix: taken ~2.5 s after the thaw).
+    while time.monotonic() < sent + 4.5:
+        assert isinstance(other.acquire("job", B, INFO, 5), Busy), (
+            f"the name was free {time.monotonic() - sent:.2f}s after a 5 s lease was sent"
+        )
+        time.sleep(0.1)

@@ -19,7 +19,6 @@ format: :mod:`latchkey.stores.memcached_wire`; framing and connections: ``io/mem
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -41,7 +40,6 @@ from latchkey.stores.memcached_wire import (
     DELETE_IF,
     KIND_ROOM,
     MAX_KEY,
-    MONTH,
     NEW_LEASE,
     PROBE_ADD,
     READ,
@@ -49,6 +47,7 @@ from latchkey.stores.memcached_wire import (
     REWRITTEN_LEASE,
     SET_FOREVER,
     STATS,
+    Clocks,
     Held,
     Lease,
     Session,
@@ -64,7 +63,7 @@ from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
 
 EPOCH = 1_577_836_800  # 2020-01-01T00:00:00Z: server start times count from here (tokens)
 _HELD_MAX = 4096  # leases whose CAS a store remembers for one-round-trip release/extend
-_monotonic, _ceil = time.monotonic, math.ceil
+_monotonic = time.monotonic
 # Requests: see :mod:`latchkey.stores.io.memcached`.
 
 
@@ -92,7 +91,7 @@ class Memcached(Store):
         self._nodes = {f"{host}:{port}": node for node, (host, port) in enumerate(self.servers)}
         self._ring = RendezvousHash(list(self._nodes))
         self._one = len(self.servers) == 1  # one server: no hashing
-        self._offsets = [0.0] * len(self.servers)  # server clock - local monotonic, seconds
+        self._clock = Clocks(len(self.servers))  # each server's clock (whole seconds)
         self._sessions: list[Session | None] = [None] * len(self.servers)  # the last greeted
         self._limits: dict[str, int] = {}  # slot counts of semaphores seen by this store
         self._names: dict[str, tuple[bytes, bytes]] = {}  # name → (lock key, JSON literal)
@@ -110,12 +109,14 @@ class Memcached(Store):
             node, [STATS, ADD % (key, len(fresh), 0, fresh), READ % key]
         )
         now, uptime = stats(block[1], b"time", b"uptime")
-        self._offsets[node] = now + 0.5 - (before + _monotonic()) / 2  # whole seconds: ± 0.5
+        after = _monotonic()
         written(added)  # HD: we wrote the id; NS: it was there
         if line[:2] == b"VA" and flag(line, b"c") == 0:
             message = "the server runs with CAS disabled (memcached -C): no owner checks, tokens"
             raise ConfigError(f"memcached store: {message}")
         session = max(0, now - uptime - EPOCH), instance if line[:2] == b"VA" else None
+        same = session[1] is not None and self._sessions[node] == session
+        self._clock.read(node, now, before, after, same)
         self._sessions[node] = session
         return session
 
@@ -165,7 +166,7 @@ class Memcached(Store):
         if session[1] is not None:
             info, acquired = str(mine.data["i"]), int(mine.data["a"])
             self._remember(name, owner, (mine.key, mine.cas, session, mine.token, info, acquired))
-        left = min(mine.expires - self._offsets[node] - _monotonic(), mine.ttl_left - 1.0)
+        left = min(mine.expires - self._clock.now(node), mine.ttl_left - 1.0)
         return Grant(mine.token, dt(mine.expires), max(0.0, left))
 
     def _each_slot(
@@ -208,14 +209,12 @@ class Memcached(Store):
                 return self._taken(live, name, owner, session, node)
             key = random.choice([k for k, s in slots if not s])  # contenders spread out
             quoted_name = json_text(name)
-        now = self._offsets[node] + _monotonic()
-        acquired = int(now * 1000)
-        expires, expiry = acquired + round(ttl * 1000), _ceil(ttl) + 1
+        acquired = int(self._clock.now(node) * 1000)
+        expires, expiry = acquired + round(ttl * 1000), ttl_arg(ttl, self._clock.at_most(node))
         last, info = self._info
         if owner_info is not last:  # the core passes the same owner JSON text again and again
             self._info = (owner_info, info := json_text(owner_info))
         value = NEW_LEASE % (quoted_name, json_text(owner), info, session[0], acquired, expires)
-        expiry = expiry if expiry <= MONTH else int(now) + expiry  # as ttl_arg()
         answer = yield (node, PROBE_ADD % (key, key, len(value), expiry, value), 2, True, session)
         if answer.__class__ is tuple:  # a connection to a newer server process: again
             self._sessions[node] = answer
@@ -264,11 +263,12 @@ class Memcached(Store):
     ) -> Steps[Grant | None]:
         """A new expiry if the CAS is still the one held; the value now holds the token."""
         key, cas, _, token, info, acquired_ms = held
-        now = self._offsets[node] + _monotonic()
+        now = self._clock.now(node)
         value = REWRITTEN_LEASE % (
             json_text(name), json_text(owner), json_text(info), token, acquired_ms, ms(now + ttl)
         )  # fmt: skip
-        command = REPLACE_IF % (key, len(value), ttl_arg(ttl, now), cas, value)
+        expiry = ttl_arg(ttl, self._clock.at_most(node))
+        command = REPLACE_IF % (key, len(value), expiry, cas, value)
         if not written(reply := (yield trip(node, [command]))[0]):
             return None
         if session[1] is not None:
@@ -301,7 +301,7 @@ class Memcached(Store):
         grants: dict[str, Grant] = {}
         for node, group in self._by_node(names).items():
             session = started, _ = yield node
-            now = self._offsets[node] + _monotonic()
+            now = self._clock.now(node)
             acquired, expires, quoted = (
                 ms(now),
                 ms(now + ttl),
@@ -310,7 +310,7 @@ class Memcached(Store):
             hot = [self._hot_name(name) for name in group]
             values = [NEW_LEASE % (n, *quoted, started, acquired, expires) for _, n in hot]
             adds = [
-                ADD % (k, len(v), ttl_arg(ttl, now), v)
+                ADD % (k, len(v), ttl_arg(ttl, self._clock.at_most(node)), v)
                 for (k, _), v in zip(hot, values, strict=True)
             ]
             for name, (key, _), reply in zip(group, hot, (yield trip(node, adds)), strict=True):
@@ -384,8 +384,8 @@ class Memcached(Store):
         """The first server's clock: its whole-second ``stats`` time, ± 0.5 s."""
         before = _monotonic()
         ((_, block),) = yield trip(0, [STATS])
-        self._offsets[0] = stats(block, b"time")[0] + 0.5 - (before + _monotonic()) / 2
-        return dt(self._offsets[0] + _monotonic())
+        self._clock.read(0, stats(block, b"time")[0], before, _monotonic(), same=True)
+        return dt(self._clock.now(0))
 
 
 class MemcachedBackend(StoreBackend):

@@ -12,6 +12,7 @@ import math
 import re
 from datetime import datetime, timezone
 from json.encoder import encode_basestring_ascii as _quote  # a str as a JSON literal (C)
+from time import monotonic as _monotonic
 from typing import Any, NamedTuple
 
 from latchkey._owner import Owner
@@ -102,10 +103,40 @@ def ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-def ttl_arg(ttl: float, server_now: float) -> int:
-    """memcached's TTL for a lease of ``ttl`` seconds: long enough that it never ends early."""
-    whole = math.ceil(ttl) + 1
-    return whole if whole <= MONTH else int(server_now) + whole
+def ttl_arg(ttl: float, server_at_most: float) -> int:
+    """memcached's expiry for a lease of ``ttl`` s: an absolute Unix time, ``ttl`` past
+    ``server_at_most`` (an upper bound of the server's clock now), so it never ends early.
+
+    Never a relative TTL: memcached adds one to its clock as its last once-a-second tick left
+    it, which after a stall of the server (SIGSTOP, a VM pause) is behind by the stall, so an
+    item stored as the server thaws would expire at its next tick (docs/stores/memcached.md).
+    Its ``stats`` time is that clock too, whole seconds, up to 2 s behind the time it reads
+    (the tick's rounding down and its age): :class:`Clocks` keeps an upper bound."""
+    return math.ceil(server_at_most + ttl)
+
+
+class Clocks:
+    """Each server's clock as this store knows it, from ``stats`` times (whole seconds, read
+    between the local monotonic ``before`` and ``after``): minus the local monotonic clock,
+    as an estimate (± 0.5 s: displayed times) and as an upper bound (``stats`` lags the time
+    it reads by up to 2 s, never leads: expiry times, :func:`ttl_arg`)."""
+
+    def __init__(self, servers: int) -> None:
+        self.mid, self.upper = [0.0] * servers, [0.0] * servers
+
+    def read(self, node: int, time: int, before: float, after: float, same: bool) -> None:
+        """``same``: the server process read before. A read served as a stalled server thaws
+        sees its clock as the stall left it (behind): within one server process the bounds
+        only move forward, the side on which expiry times err long, never short."""
+        mid, upper = time + 0.5 - (before + after) / 2, time + 2.0 - before
+        self.mid[node] = max(mid, self.mid[node]) if same else mid
+        self.upper[node] = max(upper, self.upper[node]) if same else upper
+
+    def now(self, node: int) -> float:
+        return self.mid[node] + _monotonic()
+
+    def at_most(self, node: int) -> float:
+        return self.upper[node] + _monotonic()
 
 
 def encode_name(name: str, room: int) -> bytes:
