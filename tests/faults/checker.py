@@ -50,9 +50,17 @@ class Report:
     longest_call: float = 0.0  # seconds beyond the call's own wait
     heal_to_grant: list[float] = field(default_factory=list)
     kill_to_grant: list[float] = field(default_factory=list)
+    #: Per failover: from its start (the leader or master killed) to the first grant of a
+    #: call invoked after that (so surely granted by the setup as it was after the kill).
+    failover_to_grant: list[float] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
+        failovers = sorted(self.failover_to_grant)
+        after_failover = {
+            "failover_to_grant_median_s": round(failovers[len(failovers) // 2], 3),
+            "failover_to_grant_max_s": round(failovers[-1], 3),
+        } if failovers else {}  # fmt: skip
         return {
             "grants": self.grants,
             "calls": self.calls,
@@ -61,6 +69,7 @@ class Report:
             "longest_call_s": round(self.longest_call, 3),
             "heal_to_grant_max_s": round(max(self.heal_to_grant, default=0.0), 3),
             "kill_to_grant_max_s": round(max(self.kill_to_grant, default=0.0), 3),
+            **after_failover,
         }
 
 
@@ -231,6 +240,14 @@ def check(
                 f"(wait {op.args.get('wait') or 0} + timeout {timeout} + {MARGIN})"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
+    for fault in history.faults:
+        if fault.kind == "failover":
+            resumed = [
+                lease.start for items in leases.values() for lease in items
+                if lease.grant.inv >= fault.start
+            ]  # fmt: skip
+            if resumed:
+                report.failover_to_grant.append(min(resumed) - fault.start)
     if heal_bound is not None:
         for fault in history.faults:
             if fault.end is None or fault.kind.startswith("worker"):
