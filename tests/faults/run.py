@@ -109,6 +109,10 @@ SERVER = ("freeze", "restart", "kill")
 #: within one second and, once, duplicate tokens.
 MIN_LIFE = 1.1
 CLIENT = ("worker-stop", "worker-kill")
+#: Stores whose leases also end when their holder closes its store: ZooKeeper's close ends
+#: the session, and the server deletes its ephemeral nodes at once. A worker abandons a lease
+#: now and then, and closes its store when the run ends: the next grant may follow at once.
+CLOSES_END = ("zookeeper",)
 
 
 @dataclass
@@ -273,6 +277,7 @@ def run(
         records_cut=not caps.durable,
         losses=("failover",) if setup is not None and setup.loses else (),
         ttl_bounded=caps.ttl,
+        closes_end=store in CLOSES_END,
     )
     return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
 
