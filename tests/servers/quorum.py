@@ -51,6 +51,15 @@ class Quorum(RunningServer):
             wait_port_closed(member.port)
             wait_gone([member.pid])
 
+    def kill(self) -> None:
+        """SIGKILL every member (a test's cleanup: etcd members told to stop take ~5 s)."""
+        for member in self.members():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member.pid, signal.SIGKILL)
+        for member in self.members():
+            wait_port_closed(member.port)
+            wait_gone([member.pid])
+
     def start(self) -> None:
         """Start every member again on its data (all at once: none serves alone), and wait
         until each serves."""
