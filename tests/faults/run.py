@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -400,6 +401,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--history", metavar="FILE",
+        help="keep the run's history (a pickle of tests.faults.history.History) for a look",
+    )
+    parser.add_argument(
         "--failover", action="store_true",
         help="etcd, zookeeper: a three-member cluster whose leader is killed (failover faults)",
     )
@@ -413,6 +418,9 @@ def main() -> None:
         slow_restarts=args.restarts, failover=args.failover,
     )
     summary = outcome.summary()
+    if args.history:
+        with open(args.history, "wb") as out:
+            pickle.dump(outcome.history, out)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -131,7 +131,7 @@ def _mutex_cycle(
     lock = store.lock(name, ttl=ttl, wait=wait, renew=renew)
     lid = f"{rep.worker}:{next(_LEASES)}"  # which Lock object: links its calls to its lease
     acquire = functools.partial(_take, lock)
-    result = rep.call("acquire", name, acquire, ttl=ttl, wait=wait, lid=lid)
+    result = rep.call("acquire", name, acquire, ttl=ttl, wait=wait, lid=lid, renew=renew)
     if not (isinstance(result, tuple) and result[0] == "granted"):
         return
     for _ in range(rng.randint(1, 3) if not LONG_HOLDS else rng.randint(6, 10)):
