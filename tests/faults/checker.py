@@ -51,7 +51,8 @@ class Report:
     heal_to_grant: list[float] = field(default_factory=list)
     kill_to_grant: list[float] = field(default_factory=list)
     #: Per failover: from its start (the leader or master killed) to the first grant of a
-    #: call invoked after that (so surely granted by the setup as it was after the kill).
+    #: call invoked after that (so surely granted by the setup as it was after the kill);
+    #: only those no other server or network fault interrupted.
     failover_to_grant: list[float] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
 
@@ -252,7 +253,12 @@ def check(
                 lease.start for items in leases.values() for lease in items
                 if lease.grant.inv >= fault.start
             ]  # fmt: skip
-            if resumed:
+            # Not measured when another server or network fault began before grants resumed
+            # (a restart of the whole cluster right after the failover, say).
+            if resumed and not any(
+                fault.start < other.start < min(resumed) and not other.kind.startswith("worker")
+                for other in history.faults
+            ):
                 report.failover_to_grant.append(min(resumed) - fault.start)
     if heal_bound is not None:
         for fault in history.faults:

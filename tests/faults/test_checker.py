@@ -68,3 +68,5 @@ def test_failover_to_grant_is_from_the_kill_to_the_first_grant_asked_after_it() 
     report = _check(history, losses=("failover",))
     assert [round(t, 3) for t in report.failover_to_grant] == [0.6]
     assert report.summary()["failover_to_grant_max_s"] == 0.6
+    history.faults.append(Fault("restart", 10.3, 10.5))  # began before grants resumed
+    assert _check(history, losses=("failover",)).failover_to_grant == []
