@@ -5,6 +5,7 @@ The shared semantics are tested by the rest of tests/contract on every store.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -21,7 +22,7 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable, Unsupported
 from latchkey._owner import new_owner_token
 from latchkey._types import Busy, Grant
-from latchkey.stores import open_backend
+from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.etcd import EtcdBackend
 from latchkey.stores.etcd_txn import lease_id
 from latchkey.stores.io.etcd import Post
@@ -187,6 +188,43 @@ def test_a_member_that_never_answers_costs_one_call_not_every_call(
         finally:
             store.close()
     assert outcomes == ["unavailable", "granted", "granted"]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_watch_that_never_opened_moves_the_next_request_on(etcd_url: str, flavour: str) -> None:
+    """A waiter's watch sent to a member that never answers (it stalled between an acquire's
+    attempt and its wait in line) fails; the next request starts at the next member instead
+    of waiting out its timeout there too (the chaos run: an acquire with wait 1 s took 4.3 s,
+    a watch's timeout and then its last attempt's)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        url = with_query(etcd_url.replace("etcd://", f"etcd://127.0.0.1:{port},", 1), timeout="1s")
+        owner = new_owner_token()
+
+        def sync() -> object:
+            b = open_backend(url)
+            try:
+                with pytest.raises(StoreUnavailable):
+                    b.wait_in_line("n", owner, INFO, 5.0, 1)
+                return b.acquire("n", owner, INFO, 5.0)
+            finally:
+                b.close()
+
+        async def in_asyncio() -> object:
+            b = open_async_backend(url)
+            try:
+                with pytest.raises(StoreUnavailable):
+                    await b.wait_in_line("n", owner, INFO, 5.0, 1)
+                return await b.acquire("n", owner, INFO, 5.0)
+            finally:
+                await b.aclose()
+
+        started = time.monotonic()
+        granted = sync() if flavour == "sync" else asyncio.run(in_asyncio())
+        assert isinstance(granted, Grant)
+        assert time.monotonic() - started < 1.8  # the watch's timeout, and a quick grant
 
 
 def test_credentials_are_refused_without_showing_them() -> None:

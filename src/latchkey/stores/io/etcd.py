@@ -241,6 +241,7 @@ class EtcdDriver(Driver):
                 stream = WatchStream.open(base, request, time_left)
             except OSError as exc:
                 error = exc
+                self.endpoints.unanswered(base)  # the next request starts elsewhere too
                 continue
             return DeleteWaiter(self.hub, request, self.hub.add(request, stream))
         assert error is not None

@@ -98,6 +98,7 @@ class AsyncEtcdDriver(AsyncDriver):
                 stream = await AsyncWatchStream.open(base, request, time_left)
             except (OSError, asyncio.TimeoutError) as exc:
                 error = exc
+                self.endpoints.unanswered(base)  # the next request starts elsewhere too
                 continue
             return AsyncDeleteWaiter(self.hub, request, self.hub.add(request, stream))
         assert error is not None
