@@ -109,10 +109,13 @@ class Renewer:
     lease's renewal step (``LeaseCore._renew_step``) every third of the lease the store granted
     (``LeaseCore._renew_interval``: the TTL, or less) until it is stopped or the lease is lost.
     It holds only a weak reference to the lease, so a forgotten lock object is not kept alive
-    by its renewer, and its collection stops the thread."""
+    by its renewer, and its collection stops the thread. Stopping it (a release) does not wait
+    for a renewal in flight: a release against a stalled server would otherwise take that
+    renewal's timeout and then its own; the renewal's answer is dropped (``_renew_step``)."""
 
     def __init__(self, lease: LeaseCore, backend: Backend) -> None:
         self._stop = threading.Event()
+        self._busy = False  # inside a renewal step (a store call)
         self._ref = weakref.ref(lease, _stopper(self._stop))
         self._backend = backend
         self._thread = threading.Thread(
@@ -125,7 +128,8 @@ class Renewer:
 
     def stop(self) -> None:
         self._stop.set()
-        if threading.current_thread() is not self._thread:
+        # Idle, it ends at once: wait for that. In a renewal, it ends when its call returns.
+        if threading.current_thread() is not self._thread and not self._busy:
             self._thread.join(timeout=5)
 
     def _run(self, delay: float) -> None:
@@ -133,9 +137,13 @@ class Renewer:
             lease = self._ref()
             if lease is None:
                 return
+            self._busy = True
+            if self._stop.is_set():  # stopped between the wait and the flag: stop() joins
+                return
             try:
                 next_delay = run(lease._renew_step(), self._backend)
             finally:
+                self._busy = False
                 del lease
             if next_delay is None:
                 return

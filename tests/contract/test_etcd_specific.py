@@ -5,25 +5,29 @@ The shared semantics are tested by the rest of tests/contract on every store.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
+import socket
+import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from latchkey import ConfigError, Unsupported
+import latchkey
+from latchkey import ConfigError, StoreUnavailable, Unsupported
 from latchkey._owner import new_owner_token
 from latchkey._types import Busy, Grant
-from latchkey.stores import open_backend
+from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.etcd import EtcdBackend
 from latchkey.stores.etcd_txn import lease_id
 from latchkey.stores.io.etcd import Post
 from tests.conftest import ServerPool
-from tests.servers import ServerUnavailable, free_port
+from tests.servers import ServerUnavailable, free_port, with_query
 
 _selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
 if _selected and "etcd" not in _selected:
@@ -152,6 +156,75 @@ def test_the_next_endpoint_is_tried_when_one_refuses(etcd_url: str) -> None:
         assert b.release("n", owner) is True
     finally:
         b.close()
+
+
+def test_a_member_that_never_answers_costs_one_call_not_every_call(
+    etcd_url: str, connect: Callable[[str], latchkey.Store]
+) -> None:
+    """The first endpoint accepts connections and never answers (a hung member): the call
+    sent there fails within its timeout (it is not sent again: it may have been applied),
+    and the next call starts at the next endpoint and is granted."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        url = with_query(etcd_url.replace("etcd://", f"etcd://127.0.0.1:{port},", 1), timeout="1s")
+
+        def calls(store: Any) -> list[str]:
+            outcomes = []
+            for i in range(3):
+                started = time.monotonic()
+                try:
+                    outcome = "granted" if store.lock(f"n{i}", ttl="5s").acquire(wait=0) else "busy"
+                except StoreUnavailable:
+                    outcome = "unavailable"
+                assert time.monotonic() - started < 2.5
+                outcomes.append(outcome)
+            return outcomes
+
+        store = connect(url)
+        try:
+            outcomes = calls(store)
+        finally:
+            store.close()
+    assert outcomes == ["unavailable", "granted", "granted"]
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+def test_a_watch_that_never_opened_moves_the_next_request_on(etcd_url: str, flavour: str) -> None:
+    """A waiter's watch sent to a member that never answers (it stalled between an acquire's
+    attempt and its wait in line) fails; the next request starts at the next member instead
+    of waiting out its timeout there too (the chaos run: an acquire with wait 1 s took 4.3 s,
+    a watch's timeout and then its last attempt's)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        url = with_query(etcd_url.replace("etcd://", f"etcd://127.0.0.1:{port},", 1), timeout="1s")
+        owner = new_owner_token()
+
+        def sync() -> object:
+            b = open_backend(url)
+            try:
+                with pytest.raises(StoreUnavailable):
+                    b.wait_in_line("n", owner, INFO, 5.0, 1)
+                return b.acquire("n", owner, INFO, 5.0)
+            finally:
+                b.close()
+
+        async def in_asyncio() -> object:
+            b = open_async_backend(url)
+            try:
+                with pytest.raises(StoreUnavailable):
+                    await b.wait_in_line("n", owner, INFO, 5.0, 1)
+                return await b.acquire("n", owner, INFO, 5.0)
+            finally:
+                await b.aclose()
+
+        started = time.monotonic()
+        granted = sync() if flavour == "sync" else asyncio.run(in_asyncio())
+        assert isinstance(granted, Grant)
+        assert time.monotonic() - started < 1.8  # the watch's timeout, and a quick grant
 
 
 def test_credentials_are_refused_without_showing_them() -> None:

@@ -1197,3 +1197,30 @@ def _index_max(url: str) -> int:
     with redis.Redis.from_url(url.split("?")[0]) as admin:
         top = admin.zrange(f"{prefix}expiring", -1, -1, withscores=True)
     return int(top[0][1]) if top else 0
+
+
+def test_a_release_does_not_wait_for_a_renewal_stuck_on_a_frozen_server(
+    redis_url: str, server_pool: ServerPool
+) -> None:
+    """A renewal in flight when the server stalls: the release takes its own timeout, not the
+    renewal's first (the chaos run found releases of renewed ZooKeeper leases taking up to
+    two timeouts while the ensemble restarted: the release joined the renewer thread, which
+    was waiting out its extend). The renewal's late failure is dropped: the lock is released,
+    not lost. (The sync runner's Renewer; the core is the same for every store.)"""
+    server = server_pool.running["redis"]
+    store = latchkey.connect(f"{redis_url}&timeout=1s")
+    try:
+        lock = store.lock("stuck", ttl="3s", renew=True)  # a renewal every second
+        assert lock.acquire()
+        renewer = lock._renewer  # type: ignore[attr-defined]
+        with server.frozen():
+            eventually(lambda: renewer._busy, timeout=5, what="a renewal in flight")
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                lock.release()
+            took = time.monotonic() - started
+        assert took < 1.6, f"the release took {took:.2f} s: it waited for the renewal"
+        eventually(lambda: not renewer._thread.is_alive(), timeout=5, what="the renewer ends")
+        assert not lock.lost and lock.token is None
+    finally:
+        store.close()

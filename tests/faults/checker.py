@@ -51,9 +51,18 @@ class Report:
     longest_call: float = 0.0  # seconds beyond the call's own wait
     heal_to_grant: list[float] = field(default_factory=list)
     kill_to_grant: list[float] = field(default_factory=list)
+    #: Per failover: from its start (the leader or master killed) to the first grant of a
+    #: call invoked after that (so surely granted by the setup as it was after the kill);
+    #: only those no other server or network fault interrupted.
+    failover_to_grant: list[float] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
+        failovers = sorted(self.failover_to_grant)
+        after_failover = {
+            "failover_to_grant_median_s": round(failovers[len(failovers) // 2], 3),
+            "failover_to_grant_max_s": round(failovers[-1], 3),
+        } if failovers else {}  # fmt: skip
         return {
             "grants": self.grants,
             "calls": self.calls,
@@ -62,6 +71,7 @@ class Report:
             "longest_call_s": round(self.longest_call, 3),
             "heal_to_grant_max_s": round(max(self.heal_to_grant, default=0.0), 3),
             "kill_to_grant_max_s": round(max(self.kill_to_grant, default=0.0), 3),
+            **after_failover,
         }
 
 
@@ -109,6 +119,7 @@ def check(
     records_cut: bool = False,
     losses: tuple[str, ...] = (),
     ttl_bounded: bool = True,
+    closes_end: bool = False,
 ) -> Report:
     """``cuts``: the kinds of fault that may end every lease at once, by the store's own
     rules — a restart of a store that keeps nothing on disk, a dropped connection of a
@@ -123,7 +134,9 @@ def check(
     master sent it to its replica before it answered: Redis queues a write for its replicas
     before its reply, and a killed process's socket still delivers what it had sent).
     ``ttl_bounded``: False for session-tied locks, which last until released (or their
-    session ends), not for a TTL."""
+    session ends), not for a TTL. ``closes_end``: a lease also ends when its holder closes
+    its store (ZooKeeper: closing the session deletes its ephemeral nodes at once), so a
+    worker's exit ends the leases it abandoned."""
     report = Report()
     # A cut is a window: the store may lose its leases at any moment from the fault's start
     # until its end (a server told to stop goes on serving until it gets round to stopping:
@@ -142,15 +155,18 @@ def check(
     leases = _leases(ops, ttl_bounded)
     report.grants = sum(len(v) for v in leases.values())
     cut_leases: dict[str, float] = {}  # lease (its Lock object's id) -> when it may have ended
-    if not ttl_bounded:
+    if not ttl_bounded or closes_end:
         # A session-tied lock also ends when its worker's session does: the worker died or
         # closed its store, or one of its calls failed (the driver drops a session it cannot
-        # trust).
+        # trust). With ``closes_end``, when its worker closes its store.
         ends: dict[int, list[float]] = defaultdict(list)
-        for op in ops:
-            if isinstance(op.result, tuple) and op.result[:2] == ("error", "StoreUnavailable"):
-                ends[op.worker].append(op.inv)
-        for worker, at in [*history.kills, *history.exits]:
+        if not ttl_bounded:
+            for op in ops:
+                if isinstance(op.result, tuple) and op.result[:2] == ("error", "StoreUnavailable"):
+                    ends[op.worker].append(op.inv)
+            for worker, at in history.kills:
+                ends[worker].append(at)
+        for worker, at in history.exits:
             ends[worker].append(at)
         for items in leases.values():
             for lease in items:
@@ -232,6 +248,19 @@ def check(
                 f"(wait {op.args.get('wait') or 0} + timeout {timeout} + {MARGIN})"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
+    for fault in history.faults:
+        if fault.kind == "failover":
+            resumed = [
+                lease.start for items in leases.values() for lease in items
+                if lease.grant.inv >= fault.start
+            ]  # fmt: skip
+            # Not measured when another server or network fault began before grants resumed
+            # (a restart of the whole cluster right after the failover, say).
+            if resumed and not any(
+                fault.start < other.start < min(resumed) and not other.kind.startswith("worker")
+                for other in history.faults
+            ):
+                report.failover_to_grant.append(min(resumed) - fault.start)
     if heal_bound is not None:
         for fault in history.faults:
             if fault.end is None or fault.kind.startswith("worker"):
@@ -409,6 +438,15 @@ def _kill_to_grant(
             after = [x.start for x in items if x.worker != worker and x.start > at]
             if not after:
                 continue
+            # A server or network fault that overlapped the wait may give the lease its full
+            # TTL again from its end (a store down or being failed over grants nothing, and a
+            # restart or a new leader may renew every lease: etcd does).
+            healed = [
+                f.end for f in history.faults
+                if f.end is not None and not f.kind.startswith("worker")
+                and f.start < after[0] and f.end > at
+            ]  # fmt: skip
+            free = max([free, *(end + ttl for end in healed)])
             asks = [
                 max(o.inv, free) for o in ops
                 if o.kind == "acquire" and o.name == name and o.worker != worker
@@ -421,7 +459,7 @@ def _kill_to_grant(
                 report.violations.append(
                     f"kill-to-grant: {name} granted {after[0] - at:.2f}s after its holder was "
                     f"killed, {delay:.2f}s after it could first be (its lease could end "
-                    f"{free - at:.2f}s after the kill; bound {bound}s)"
+                    f"{free - at:.2f}s after the kill or a fault's end since; bound {bound}s)"
                 )
 
 

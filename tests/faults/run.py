@@ -20,14 +20,25 @@ healed):
   new one. Replication is asynchronous, so the checker treats it as a loss window
   (``losses``: leases granted before it closes may be lost, record updates that overlap it
   are unknown).
+- ``failover`` on etcd and ZooKeeper, with ``failover=True`` (``scripts/chaos --failover``):
+  a 3-member cluster / 3-server ensemble (tests/servers/quorum.py) whose leader is
+  SIGKILLed, held until another member leads and the killed one, started again on its data,
+  serves again. Not a loss window: a grant is acknowledged once a majority has it, so a
+  lease lost, a token repeated or an update lost there is a violation like any other. And
+  ``freeze-leader``: the leader alone SIGSTOPped, then SIGCONTed. ``freeze``, ``restart``
+  and ``kill`` act on every member at once.
 
 Which faults reach which store: the network faults go through the proxy in front of the
 URL's address, so they apply only to stores whose clients talk to that address. A Sentinel
 client asks the sentinel for the master's address and connects there; a Cluster client reads
 the nodes' addresses from the node it was given: the proxy would cut their discovery only,
 never a lease's request, so those two run without it (server, failover and client faults).
+An etcd or ZooKeeper cluster's URL names every member, and its client moves to another when
+one fails: a proxy in front of one member would cut a third of the cluster, so those runs
+have no proxy either.
 
-Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``.
+Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``;
+``--store etcd --failover`` for the cluster.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -45,7 +57,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import latchkey
@@ -53,7 +65,8 @@ from tests import servers
 from tests.faults.checker import Report, check
 from tests.faults.history import Recorder
 from tests.faults.proxy import Proxy
-from tests.servers import redis_cluster, redis_sentinel
+from tests.servers import etcd, redis_cluster, redis_sentinel, zookeeper
+from tests.servers.quorum import Quorum
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_OF = {
@@ -62,11 +75,29 @@ SERVER_OF = {
     "mongodb": "mongodb", "etcd": "etcd", "zookeeper": "zookeeper",
     "redis+sentinel": "redis_sentinel", "redis+cluster": "redis_cluster",
 }  # fmt: skip
-#: How each setup with failovers is started for a chaos run (a replica per master) and the
-#: failovers it can be put through.
-FAILOVERS: dict[str, tuple[Callable[[Path], Any], tuple[str, ...]]] = {
-    "redis_sentinel": (lambda d: redis_sentinel.start_setup(d), ("kill", "command")),
-    "redis_cluster": (lambda d: redis_cluster.start_cluster(d, replicas=1), ("kill",)),
+
+
+class Failovers(NamedTuple):
+    """How a setup with failovers is started for a chaos run, and how it fails over."""
+
+    start: Callable[[Path], Any]
+    ways: tuple[str, ...]  # how a ``failover`` fault may move the leader or master
+    #: A failover may lose the latest writes (asynchronous replication): a loss window for
+    #: the checker (``losses``). False: it must lose nothing.
+    loses: bool
+    #: Used only when a run asks for failovers (``failover=True``): the store's own chaos
+    #: run is on one server, behind the proxy.
+    on_request: bool = False
+
+
+#: The setups with failovers (a replica per master; a three-member quorum).
+FAILOVERS: dict[str, Failovers] = {
+    "redis_sentinel": Failovers(redis_sentinel.start_setup, ("kill", "command"), loses=True),
+    "redis_cluster": Failovers(
+        lambda d: redis_cluster.start_cluster(d, replicas=1), ("kill",), loses=True
+    ),
+    "etcd": Failovers(etcd.start_quorum, ("kill",), loses=False, on_request=True),
+    "zookeeper": Failovers(zookeeper.start_quorum, ("kill",), loses=False, on_request=True),
 }
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
@@ -83,6 +114,10 @@ CLIENT = ("worker-stop", "worker-kill")
 #: gets: memcached drops items by its whole-second clock, at an absolute time counted from an
 #: upper bound of that clock (2 to 5 s after the TTL: docs/stores/memcached.md).
 EXPIRY_TAIL = {"memcached": 3.0}
+#: Stores whose leases also end when their holder closes its store: ZooKeeper's close ends
+#: the session, and the server deletes its ephemeral nodes at once. A worker abandons a lease
+#: now and then, and closes its store when the run ends: the next grant may follow at once.
+CLOSES_END = ("zookeeper",)
 
 
 @dataclass
@@ -113,12 +148,19 @@ def run(
     workdir: Path | None = None,
     slow_restarts: bool = False,
     failovers: tuple[str, ...] | None = None,
+    failover: bool = False,
 ) -> Outcome:
     """``failovers``: how a ``failover`` fault moves the master (see FAILOVERS; None: every
-    way the setup knows, chosen at random each time)."""
+    way the setup knows, chosen at random each time). ``failover``: run etcd or ZooKeeper
+    on a three-member cluster and fail its leader over (FAILOVERS, ``on_request``)."""
     rng = random.Random(seed)
     tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     kind = SERVER_OF[store]
+    setup = FAILOVERS.get(kind or "")
+    if failover and setup is None:
+        raise ValueError(f"{store}: no setup with failovers (see FAILOVERS)")
+    if setup is not None and setup.on_request and not failover:
+        setup = None
     server = None
     proxy = None
     if kind is None:
@@ -126,17 +168,18 @@ def run(
         allowed: tuple[str, ...] = CLIENT
     else:
         servers.load_all()
-        given = os.environ.get(servers.SERVERS[kind].env_var)
+        given = None if failover else os.environ.get(servers.SERVERS[kind].env_var)
         if given:  # an existing server: the network and clients are broken, never the server
             base_url, port = given, urlsplit(given).port or 0
         else:
-            starts = FAILOVERS[kind][0] if kind in FAILOVERS else servers.SERVERS[kind].start
+            starts = setup.start if setup is not None else servers.SERVERS[kind].start
             server = starts(tmp / kind)
             base_url, port = server.url, server.port
         base = servers.replace_scheme(base_url, store) if store != kind else base_url
         url = servers.with_query(base, timeout=f"{timeout}s")
         allowed = CLIENT
-        if not any(row.id == store and row.discovers for row in servers.ROWS):
+        discovers = any(row.id == store and row.discovers for row in servers.ROWS)
+        if not discovers and not isinstance(server, Quorum):
             proxy = Proxy("127.0.0.1", port)
             host_port = urlsplit(base).netloc.rsplit("@", 1)[-1]
             url = url.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
@@ -146,12 +189,14 @@ def run(
                 slow_restarts or kind not in SLOW_RESTART
             )
             allowed += SERVER if restarts else ("freeze",)
-            if kind in FAILOVERS:
+            if setup is not None:
                 allowed += ("failover",)
-                ways = FAILOVERS[kind][1]
+                ways = setup.ways
                 server.extra["failovers"] = tuple(
                     w for w in ways if failovers is None or w in failovers
                 ) or ways[:1]
+            if isinstance(server, Quorum):
+                allowed += ("freeze-leader",)
     if faults is not None:
         allowed = tuple(f for f in allowed if f in faults)
     caps = latchkey.connect(url).capabilities
@@ -235,8 +280,9 @@ def run(
         kill_bound=timeout + 2.0 + EXPIRY_TAIL.get(store, 0.0),
         cuts=_cuts(caps),
         records_cut=not caps.durable,
-        losses=("failover",),
+        losses=("failover",) if setup is not None and setup.loses else (),
         ttl_bounded=caps.ttl,
+        closes_end=store in CLOSES_END,
     )
     return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
 
@@ -286,6 +332,10 @@ def _inject(
         proxy.heal()
     elif fault == "reset" and proxy is not None:
         proxy.reset()
+    elif fault == "freeze-leader" and isinstance(server, Quorum):
+        with server.freeze_leader() as leader:
+            record.detail = f"member {leader.port}"
+            time.sleep(hold)
     elif fault == "freeze" and server is not None:
         with server.frozen():  # the server and its children: PostgreSQL's sessions too
             time.sleep(hold)
@@ -355,15 +405,26 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--history", metavar="FILE",
+        help="keep the run's history (a pickle of tests.faults.history.History) for a look",
+    )
+    parser.add_argument(
+        "--failover", action="store_true",
+        help="etcd, zookeeper: a three-member cluster whose leader is killed (failover faults)",
+    )
+    parser.add_argument(
         "--restarts", action="store_true",
         help=f"restart and kill the slow servers too ({', '.join(SLOW_RESTART)})",
     )
     args = parser.parse_args()
     outcome = run(
         args.store, args.minutes * 60, workers=args.workers, seed=args.seed,
-        slow_restarts=args.restarts,
+        slow_restarts=args.restarts, failover=args.failover,
     )
     summary = outcome.summary()
+    if args.history:
+        with open(args.history, "wb") as out:
+            pickle.dump(outcome.history, out)
     if args.json:
         print(json.dumps(summary))
     else:

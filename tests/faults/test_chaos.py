@@ -4,6 +4,9 @@ Each store gets a short run here — a real server of its own behind a breaking 
 Sentinel and Cluster: a master with a replica, failed over; no proxy, their clients bypass
 it), four worker processes, every fault kind the store allows at least once — and must show
 no violation. The long runs are ``scripts/chaos --store S --minutes 10`` (docs/reliability.md).
+etcd and ZooKeeper run here on one server; their leader failovers under the checker
+(``scripts/chaos --store etcd --failover``) are not in the test command: a run long enough to
+see a few failovers takes ~30 s per store (see tests/failover/test_quorum_failover_fault.py).
 Then the checker is shown four deliberately broken latchkeys and must catch each.
 """
 

@@ -30,6 +30,7 @@ from tests.servers import (
     free_port,
     with_query,
 )
+from tests.servers.quorum import Quorum, quorum
 
 
 def healthy(port: int) -> bool:
@@ -71,7 +72,7 @@ def start_etcd_cluster(workdir: Path, members: int = 3) -> list[RunningServer]:
             _wait_healthy(workdir, pid, client)
             servers.append(RunningServer(
                 url=f"etcd://127.0.0.1:{client}", pid=pid, port=client, workdir=workdir,
-                restart_cmd=lambda launch=launch: launch(wait=True),
+                restart_cmd=launch,  # launch(wait=False): Quorum.start starts all at once
             ))  # fmt: skip
     except BaseException:
         for pid in pids:
@@ -79,6 +80,12 @@ def start_etcd_cluster(workdir: Path, members: int = 3) -> list[RunningServer]:
                 os.kill(pid, signal.SIGKILL)
         raise
     return servers
+
+
+def start_quorum(workdir: Path, members: int = 3) -> Quorum:
+    """A cluster of ``members`` as one server for the chaos run's failovers (its URL names
+    every member; see tests/servers/quorum.py)."""
+    return quorum(workdir, "etcd", start_etcd_cluster(workdir, members), leader_of, healthy)
 
 
 def leader_of(servers: list[RunningServer]) -> RunningServer:

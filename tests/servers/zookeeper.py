@@ -33,6 +33,7 @@ from tests.servers import (
     keep,
     with_query,
 )
+from tests.servers.quorum import Quorum, quorum
 
 CLASSPATH = "/usr/share/java/zookeeper.jar:/usr/share/java/*"
 JAR = "/usr/share/java/zookeeper.jar"
@@ -83,6 +84,17 @@ def start_ensemble(workdir: Path, size: int = 3) -> list[RunningServer]:
                 server.stop()
         raise
     return started
+
+
+def start_quorum(workdir: Path, size: int = 3) -> Quorum:
+    """An ensemble of ``size`` as one server for the chaos run's failovers (its URL names
+    every server; see tests/servers/quorum.py)."""
+    return quorum(workdir, "zookeeper", start_ensemble(workdir, size), leader_of, serving)
+
+
+def serving(port: int) -> bool:
+    """The server on ``port`` serves: it is the leader or a follower of a quorum."""
+    return "Mode:" in srvr(port)
 
 
 def leader_of(servers: list[RunningServer]) -> RunningServer:

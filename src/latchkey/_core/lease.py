@@ -223,8 +223,13 @@ class LeaseCore:
         self.check()
         ttl_s = self.ttl if ttl is None else parse_ttl(ttl)
         sent = time.monotonic()
-        assert self._owner is not None
-        grant = yield call("extend", self.name, self._owner, ttl_s)
+        owner = self._owner
+        assert owner is not None
+        grant = yield call("extend", self.name, owner, ttl_s)
+        if self._owner != owner:
+            # Released (or acquired again) while this extend was in flight — a renewal's: a
+            # release does not wait for it. Its answer is about a lease no longer ours.
+            return
         if grant is None:
             reason = (
                 "the store no longer has our lease (its session ended)"
@@ -255,15 +260,26 @@ class LeaseCore:
 
     def _renew_step(self) -> Steps[float | None]:
         """One renewal: extend the lease; return the seconds until the next one, or None
-        when renewing must stop (the lease is lost: marked so, with the reason)."""
+        when renewing must stop (the lease is lost: marked so, with the reason; or released
+        meanwhile — a release does not wait for a renewal in flight, whose outcome is then
+        no longer this lease's to record)."""
+        owner = self._owner
+        if owner is None:
+            return None
         try:
             yield from self._extend()
+            if self._owner != owner:
+                return None
             self._renew_failure = None
             return self._renew_interval()
         except LockLost as exc:
+            if self._owner != owner:
+                return None
             yield from self._lose(str(exc))
             return None
         except LatchkeyError as exc:  # StoreUnavailable and the like: retry while time is left
+            if self._owner != owner:
+                return None
             self._renew_failure = str(exc)
             left = self.remaining()
             left = float("inf") if left is None else left

@@ -21,7 +21,9 @@ Requests of the store (:mod:`latchkey.stores.etcd`):
 Endpoints: the URL's hosts, tried in turn when one cannot be connected to (a refused or timed
 out connect: the request was not sent, so sending it elsewhere is safe); the one that answered
 is used first from then on. A request that was sent and got no answer is never sent again:
-StoreUnavailable.
+StoreUnavailable — and the next request starts at the next endpoint, so that a member that
+accepts connections and never answers (a hung machine, a stalled process) costs one call its
+timeout, not every call until it comes back.
 
 The watch is a plain HTTP/1.1 stream on a socket of its own (:class:`WatchStream`), not an
 httpx stream: a waiter needs a deadline per read (``wait(timeout)``) and a ``close`` that
@@ -135,6 +137,9 @@ def left_until(deadline: float) -> float:
 
 #: Errors after which the request was surely not sent: the next endpoint may be tried.
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+#: Errors after which the request may have been sent and got no answer: not sent again, but
+#: the next request goes to the next endpoint first.
+UNANSWERED = httpx.TransportError
 ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, EtcdError, OSError, ValueError)
 
 
@@ -161,6 +166,12 @@ class Endpoints:
 
     def answered(self, url: str) -> None:
         self.first = self.urls.index(url)
+
+    def unanswered(self, url: str) -> None:
+        """``url`` took a request and gave no answer: the next request starts at the next
+        endpoint (unless another request has moved on from it already)."""
+        if self.urls[self.first] == url:
+            self.first = (self.first + 1) % len(self.urls)
 
 
 class EtcdDriver(Driver):
@@ -212,6 +223,9 @@ class EtcdDriver(Driver):
             except NOT_SENT as exc:
                 error = exc
                 continue
+            except UNANSWERED:
+                self.endpoints.unanswered(base)
+                raise
             self.endpoints.answered(base)
             return reply_of(response)
         assert error is not None
@@ -227,6 +241,7 @@ class EtcdDriver(Driver):
                 stream = WatchStream.open(base, request, time_left)
             except OSError as exc:
                 error = exc
+                self.endpoints.unanswered(base)  # the next request starts elsewhere too
                 continue
             return DeleteWaiter(self.hub, request, self.hub.add(request, stream))
         assert error is not None

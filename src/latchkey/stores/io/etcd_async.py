@@ -24,6 +24,7 @@ from latchkey.stores.io.aio import AsyncDriver, to_the_end
 from latchkey.stores.io.etcd import (
     ERRORS,
     NOT_SENT,
+    UNANSWERED,
     Endpoints,
     Post,
     StreamParser,
@@ -79,6 +80,9 @@ class AsyncEtcdDriver(AsyncDriver):
             except NOT_SENT as exc:
                 error = exc
                 continue
+            except UNANSWERED:
+                self.endpoints.unanswered(base)
+                raise
             self.endpoints.answered(base)
             return reply_of(response)
         assert error is not None
@@ -94,6 +98,7 @@ class AsyncEtcdDriver(AsyncDriver):
                 stream = await AsyncWatchStream.open(base, request, time_left)
             except (OSError, asyncio.TimeoutError) as exc:
                 error = exc
+                self.endpoints.unanswered(base)  # the next request starts elsewhere too
                 continue
             return AsyncDeleteWaiter(self.hub, request, self.hub.add(request, stream))
         assert error is not None
