@@ -9,6 +9,7 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -178,19 +179,31 @@ def store_url(store_row: servers.StoreRow, base_url: str, tmp_path: Path) -> str
 
 
 @pytest.fixture
-def connect(api: str) -> Callable[[str], latchkey.Store]:
+def connect(api: str) -> Iterator[Callable[[str], latchkey.Store]]:
     """``latchkey.connect`` in this test's API: the sync one, or the asyncio one seen through
-    a sync facade (tests/asyncmode.py), so that one test body checks both."""
-    if api == "sync":
-        return latchkey.connect
+    a sync facade (tests/asyncmode.py), so that one test body checks both.
 
-    def connect_async(url: str) -> latchkey.Store:
-        try:
-            return asyncmode.connect(url)  # type: ignore[no-any-return]
-        except latchkey.Unsupported as exc:
-            pytest.skip(f"async: not run: {exc}")
+    Every store it made is closed again when the test ends, also when the test failed before
+    its own ``close()``: a failed attempt's open sockets were found by the garbage collector
+    in whichever test ran next on that worker, which then failed on the ResourceWarning (the
+    reruns of ``test_a_frozen_server_is_unavailable_within_the_timeout``)."""
+    made: list[latchkey.Store] = []
 
-    return connect_async
+    def connect(url: str) -> latchkey.Store:
+        if api == "sync":
+            store = latchkey.connect(url)
+        else:
+            try:
+                store = asyncmode.connect(url)
+            except latchkey.Unsupported as exc:
+                pytest.skip(f"async: not run: {exc}")
+        made.append(store)
+        return store
+
+    yield connect
+    for store in made:
+        with contextlib.suppress(Exception):  # closed already, or the test broke the server
+            store.close()
 
 
 @pytest.fixture
