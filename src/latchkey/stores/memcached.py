@@ -241,9 +241,12 @@ class Memcached(Store):
             answer = yield (node, DELETE_IF % (held[0], held[1]), 1, False, held[2])
             if answer.__class__ is list and (answer[0][0] == b"HD" or written(answer[0])):
                 return True  # the item with our CAS was there, live: ours, now gone
-        if (mine := (yield from self._mine(node, name, owner))) is None:
-            return False
-        return written((yield trip(node, [DELETE_IF % (mine.key, mine.cas)]))[0])
+        for _ in range(3):  # a renewal in flight may rewrite it (new CAS) between read and delete
+            if (mine := (yield from self._mine(node, name, owner))) is None:
+                return False
+            if written((yield trip(node, [DELETE_IF % (mine.key, mine.cas)]))[0]):
+                return True
+        return False
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         """By the CAS we remember (one trip); else, or if it changed, read once to decide."""
