@@ -6,11 +6,12 @@ slot, and re-reads it after MOVED or a connection error. A script (all keys of o
 share a slot: the store groups them) goes to the master its ``get_node_from_key`` names,
 packed in RESP here and sent over a connection of that master's own lock-free stack, as the
 plain Redis driver sends (:class:`~latchkey.stores.io.redis.Connections`, connections made
-with the class and settings of redis-py's client for that node). redis-py's
-``execute_command`` costs about 145,000 instructions per command here (command policies,
-slot and node lookup, the node pool's lock, observability hooks, response callbacks), more
-than a whole script call this way. What redis-py's call does beyond sending, this driver
-hands back to it:
+with the class and settings of redis-py's client for that node). An EVALSHA through
+redis-py's ``execute_command`` costs about 290,000 instructions and 300 Python calls here,
+sending and reading included (command policies, slot and node lookup, the node pool's lock,
+observability hooks, response callbacks): an uncontended acquire + release took 680,000
+instructions through it, 245,000 this way (callgrind, docs/benchmarks.md). What redis-py's
+call does beyond sending, this driver hands back to it:
 
 - a master that answers MOVED, ASK, TRYAGAIN or CLUSTERDOWN has not run the script: it is
   sent again through ``execute_command``, which follows the redirection, updates the
