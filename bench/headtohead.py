@@ -31,6 +31,7 @@ SERVER = {
     "redis": "redis", "memcached": "memcached", "postgresql": "postgresql",
     "postgresql+advisory": "postgresql", "mysql": "mysql", "mysql+getlock": "mysql",
     "mongodb": "mongodb", "sqlite": None, "etcd": "etcd", "zookeeper": "zookeeper",
+    "redis+cluster": "redis_cluster", "redis+sentinel": "redis_sentinel",
 }  # fmt: skip
 
 WORKER = """

@@ -27,7 +27,7 @@ from redis.crc import key_slot
 
 import latchkey
 from latchkey import ConfigError, LockLost, StoreUnavailable
-from latchkey._types import Grant
+from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from latchkey.stores.redis_cluster import (
     RedisClusterBackend,
@@ -192,6 +192,90 @@ def test_a_url_with_a_dead_seed_finds_the_cluster(cluster_url: str) -> None:
     store = latchkey.connect(url)
     assert store.lock("x", ttl="10s", wait=0).acquire()
     store.close()
+
+
+# -- scripts on each master's own connections, redirections through redis-py -----------------
+
+
+def _admin(node: object) -> redis.Redis:
+    return redis.Redis(host=node.host, port=node.port, decode_responses=True)  # type: ignore[attr-defined]
+
+
+@needs_cluster
+def test_a_script_goes_to_its_masters_connections_not_through_redis_py(
+    backend: RedisClusterBackend,
+) -> None:
+    """The hot path (module docstring of io/redis_cluster.py): an uncontended acquire and
+    release are sent over the slot master's own connections, never through the cluster
+    client's ``execute_command`` (about twice the client CPU of the pair)."""
+    client = backend.io.client  # type: ignore[attr-defined]
+    name, owner = "hot:" + uuid.uuid4().hex, _owner()
+    assert isinstance(backend.acquire(name, owner, INFO, 30), Grant)  # warm: scripts loaded
+    assert backend.release(name, owner) is True
+    routed: list[object] = []
+    through = client.execute_command
+    client.execute_command = lambda *a, **k: routed.append(a) or through(*a, **k)
+    try:
+        assert isinstance(backend.acquire(name, owner, INFO, 30), Grant)
+        assert backend.release(name, owner) is True
+    finally:
+        del client.execute_command
+    assert routed == []
+    master = client.get_node_from_key(backend.store.base(name)).name
+    assert backend.io._masters[master].idle  # type: ignore[attr-defined]
+
+
+@needs_cluster
+def test_a_moving_slot_is_followed_through_ask_and_moved(
+    own_cluster: cluster_server.RunningCluster,
+) -> None:
+    """A name's slot moves to another master while the store runs (resharding). A script the
+    old master answers ASK (slot migrating) or MOVED (slot moved) has not run, and is sent
+    again through redis-py, which follows the redirection; after MOVED its map names the new
+    master and the next script goes straight there.
+
+    While the slot migrates, its names are unavailable, never granted twice: a script's one
+    declared key (the name's hash-tag base) is not a key of its own, so the old master
+    answers ASK even for a name whose lease it holds, and the importing master refuses the
+    script's lease keys, not yet moved to it ("non local key")."""
+    backend = open_backend(f"{own_cluster.url}?timeout=2s")
+    assert isinstance(backend, RedisClusterBackend)
+    try:
+        client = backend.io.client  # type: ignore[attr-defined]
+        held, owner = "moving:held", _owner()
+        base, slot = backend.store.base(held), backend.store.slot(held)
+        assert isinstance(backend.acquire(held, owner, INFO, 60), Grant)
+        source = client.get_node_from_key(base)
+        target = next(n for n in client.get_primaries() if n.name != source.name)
+        with _admin(source) as src, _admin(target) as dst:
+            src_id = src.execute_command("CLUSTER MYID")
+            dst_id = dst.execute_command("CLUSTER MYID")
+            dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+            with pytest.raises(StoreUnavailable, match="non local key"):  # ASK followed
+                backend.acquire(held, _owner(), INFO, 60)
+            keys = src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100)
+            src.execute_command("MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *keys)
+            for node in client.get_primaries():
+                with _admin(node) as admin:
+                    admin.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        assert client.get_node_from_key(base).name == source.name  # not told yet
+        assert isinstance(backend.acquire(held, _owner(), INFO, 60), Busy)  # MOVED, followed
+        assert client.get_node_from_key(base).name == target.name  # redis-py's map updated
+        assert backend.release(held, owner) is True  # straight to the new master
+        assert backend.io._masters[target.name].idle  # type: ignore[attr-defined]
+    finally:
+        backend.close()
+
+
+@needs_cluster
+def test_a_flushed_script_cache_on_a_master_is_reloaded(backend: RedisClusterBackend) -> None:
+    client = backend.io.client  # type: ignore[attr-defined]
+    name, owner = "flush:" + uuid.uuid4().hex, _owner()
+    assert isinstance(backend.acquire(name, owner, INFO, 30), Grant)
+    with _admin(client.get_node_from_key(backend.store.base(name))) as master:
+        master.script_flush()
+    assert backend.release(name, owner) is True  # NOSCRIPT, SCRIPT LOAD, sent again
 
 
 @needs_cluster

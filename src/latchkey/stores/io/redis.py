@@ -167,33 +167,63 @@ def _alive(conn: Any) -> bool:
         return False
 
 
+_monotonic = time.monotonic
+
+
 class Connections:
-    """The idle connections of one backend, last-in first-out: a list, whose ``pop`` and
-    ``append`` are atomic under the GIL, so taking and giving back one needs no lock (see
-    :meth:`RedisDriver.call`). After ``fork()`` the child starts with none
-    (:func:`latchkey.stores.io.after_fork`) and leaves its parent's sockets alone.
+    """The idle connections of one server, last-in first-out, and how to make one: a list,
+    whose ``pop`` and ``append`` are atomic under the GIL, so taking and giving back one needs
+    no lock (see :meth:`call`). After ``fork()`` the child starts with none
+    (:func:`latchkey.stores.io.after_fork`) and leaves its parent's sockets alone. The plain
+    driver keeps one; the cluster driver one per master
+    (:class:`~latchkey.stores.io.redis_cluster.ClusterDriver`).
 
     Not :class:`latchkey.stores.io.Pool`: its lock, condition and bookkeeping cost 6.7 µs per
     get + put against 0.55 µs here (timeit, loaded 2-core VM), ~12 µs of an uncontended
     acquire + release pair that costs ~150 µs of client CPU in all. No size limit: a thread
     holds a connection for one round trip, so a process has at most as many as threads
     calling at once.
+
+    ``check_health``: ``?health_check_interval=N``, redis-py PINGs a connection idle N seconds
+    before a command (off by default: the idle check of :meth:`call` covers a close by the
+    server).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, new_connection: Callable[[], Any], check_health: bool = False) -> None:
         self.idle: list[tuple[Any, float]] = []  # (connection, when it was given back)
+        self.new_connection = new_connection
+        self.check_health = check_health
         after_fork(self)
 
     def forget_after_fork(self) -> None:
         self.idle = []  # the parent's sockets: not ours to close
 
+    def call(self, packed: bytes) -> Any:
+        """Send one packed command on an idle connection (or a new one), read its reply."""
+        idle = self.idle  # the last given back first; checked if idle a while
+        try:
+            conn, since = idle.pop()
+        except IndexError:
+            conn = self.new_connection()
+        else:
+            if _monotonic() - since >= CHECK_AFTER and not _alive(conn):
+                conn.disconnect()  # closed by the server, or bytes nobody asked for
+        try:
+            conn.send_packed_command((packed,), check_health=self.check_health)  # connects
+            reply = conn.read_response()
+        except redis.ResponseError:  # an error reply, read in full: the connection is fine
+            idle.append((conn, _monotonic()))
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        idle.append((conn, _monotonic()))
+        return reply
+
     def close(self) -> None:
         idle, self.idle = self.idle, []
         for conn, _ in idle:
             conn.disconnect()
-
-
-_monotonic = time.monotonic
 
 
 class RedisDriver(Driver):
@@ -215,10 +245,7 @@ class RedisDriver(Driver):
             cls = self.client.connection_pool.connection_class
             kwargs = self.client.connection_pool.connection_kwargs
         self.new_connection: Callable[[], Any] = functools.partial(cls, **kwargs)
-        #: ``?health_check_interval=N``: redis-py PINGs a connection idle N seconds before a
-        #: command (off by default: the idle check below covers a close by the server).
-        self.check_health = bool(kwargs.get("health_check_interval"))
-        self.pool = Connections()
+        self.pool = Connections(self.new_connection, bool(kwargs.get("health_check_interval")))
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
 
@@ -253,38 +280,21 @@ class RedisDriver(Driver):
     def answer(self, request: Any) -> Any:
         if type(request) is tuple:  # a Script
             packed = pack_script(request)
+            call = self.pool.call
             try:
-                return self.call(packed)
+                return call(packed)
             except redis.exceptions.NoScriptError:
-                self.call(pack(("SCRIPT", "LOAD", request[0].text)))
-                return self.call(packed)
+                call(pack(("SCRIPT", "LOAD", request[0].text)))
+                return call(packed)
         if type(request) is Command:
-            return self.call(pack(request.words))
+            return self.pool.call(pack(request.words))
         if type(request) is Subscribe:
             return self.subscribe(request.channel)
         raise TypeError(f"not a Redis request: {request!r}")
 
     def call(self, packed: bytes) -> Any:
         """Send one packed command on a pooled connection, read its reply."""
-        idle = self.pool.idle  # the last given back first; checked if idle a while
-        try:
-            conn, since = idle.pop()
-        except IndexError:
-            conn = self.new_connection()
-        else:
-            if _monotonic() - since >= CHECK_AFTER and not _alive(conn):
-                conn.disconnect()  # closed by the server, or bytes nobody asked for
-        try:
-            conn.send_packed_command((packed,), check_health=self.check_health)  # connects
-            reply = conn.read_response()
-        except redis.ResponseError:  # an error reply, read in full: the connection is fine
-            idle.append((conn, _monotonic()))
-            raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        idle.append((conn, _monotonic()))
-        return reply
+        return self.pool.call(packed)
 
     def subscribe(self, channel: str) -> Waiter:
         """A waiter already subscribed (confirmed by the server) to ``channel``."""

@@ -1,13 +1,32 @@
 """Redis Cluster through redis-py's ``RedisCluster``: the sync driver of
 :class:`latchkey.stores.redis_cluster.RedisCluster`.
 
-Requests go through the client's public ``execute_command``: it routes each script by its
-keys' slot (all keys of one script share a slot: the store groups them), follows MOVED and
-ASK, and re-reads the cluster's layout after a connection error. It is made with no retries
-(``Retry(NoBackoff(), 0)``): a primitive never retries, the core decides; after a master
-fails, the call that met it raises StoreUnavailable and the next one goes to the layout the
-client read since (a promoted replica, once the cluster has promoted one). A script is sent
-as EVALSHA and loaded on its slot's master (SCRIPT LOAD) when that node answers NOSCRIPT.
+The cluster's layout is redis-py's ``RedisCluster``'s: it reads which master serves which
+slot, and re-reads it after MOVED or a connection error. A script (all keys of one script
+share a slot: the store groups them) goes to the master its ``get_node_from_key`` names,
+packed in RESP here and sent over a connection of that master's own lock-free stack, as the
+plain Redis driver sends (:class:`~latchkey.stores.io.redis.Connections`, connections made
+with the class and settings of redis-py's client for that node). An EVALSHA through
+redis-py's ``execute_command`` costs about 290,000 instructions and 300 Python calls here,
+sending and reading included (command policies, slot and node lookup, the node pool's lock,
+observability hooks, response callbacks): an uncontended acquire + release took 680,000
+instructions through it, 245,000 this way (callgrind, docs/benchmarks.md). What redis-py's
+call does beyond sending, this driver hands back to it:
+
+- a master that answers MOVED, ASK, TRYAGAIN or CLUSTERDOWN has not run the script: it is
+  sent again through ``execute_command``, which follows the redirection, updates the
+  client's map (so later scripts go straight to the new master), or waits and re-reads the
+  layout, as it does for its own commands;
+- a connection error or timeout (the script may have run): the node's idle connections are
+  closed, the client re-reads the layout (``nodes_manager.initialize``, the failed node asked
+  last), as its own ``execute_command`` does, and the error becomes StoreUnavailable; the
+  next call goes to the layout read since (a promoted replica, once the cluster has promoted
+  one).
+
+No call retries (redis-py's client is made with ``Retry(NoBackoff(), 0)``): a primitive never
+retries, the core decides. A script is sent as EVALSHA and loaded on its slot's master
+(SCRIPT LOAD) when that node answers NOSCRIPT. Other requests (commands, a SCAN of one node)
+go through the client's ``execute_command``.
 
 The client connects to the cluster when it is made, so it is made on first use (and again
 in a forked child, which leaves its parent's sockets alone).
@@ -21,9 +40,6 @@ plain Redis driver's :class:`~latchkey.stores.io.redis.Listener` speaking SSUBSC
 for the master that holds the channel's slot. If the slot moves or the master fails, the
 connection ends or stops hearing: its waiters wake once and poll, and the next subscribe opens
 a listener on the slot's master as the client knows it then.
-
-Not the plain driver's hand-packed RESP over its own connection list: speed on a cluster was
-not measured against it; the cluster client's routing is what this driver is for.
 
 A borrowed cluster client (``latchkey.connect(client=RedisCluster(…))``) is followed, not
 used: its startup nodes and AUTH make this driver's own cluster client and listener
@@ -39,18 +55,29 @@ A TLS node names the other nodes' TLS ports in its CLUSTER SLOTS reply.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
-from latchkey.stores.io import Driver, after_fork
-from latchkey.stores.io.redis import Listener, PushWaiter, tls_settings
+from latchkey.stores.io import Driver, Steps, after_fork
+from latchkey.stores.io.redis import (
+    Connections,
+    Listener,
+    PushWaiter,
+    pack,
+    pack_script,
+    tls_settings,
+)
 from latchkey.stores.io.redis_options import uses_tls
 from latchkey.stores.redis import Command, Subscribe
 from latchkey.stores.redis_cluster import Batch, Masters, OnNode
@@ -69,6 +96,20 @@ ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.RedisClusterException,  # "no node for this slot", the layout unreadable
     OSError,
 )
+#: Errors a master answers instead of running a script (its slot moved or is moving, the
+#: cluster is down): the script is sent again through redis-py's client, which handles them.
+ELSEWHERE: tuple[type[BaseException], ...] = (
+    redis.exceptions.AskError,  # and MovedError, its subclass
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+#: A connection error or timeout on a master's connection: the layout is read again.
+LOST: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: A newer redis-py (8.x) re-reads the layout asking the failed node last (older: any order).
+_ASK_FAILED_LAST = (
+    "last_failed_node_name" in inspect.signature(redis.cluster.NodesManager.initialize).parameters
+)
+T = TypeVar("T")
 
 
 def borrowed_tls(store: RedisCluster, client: Any) -> dict[str, Any]:
@@ -160,11 +201,13 @@ class ClusterDriver(Driver):
         self.timeout = backend.timeout
         self._client: Any = None
         self._listeners: dict[str, Listener] = {}  # node name -> its listener
+        self._masters: dict[str, Connections] = {}  # node name -> its idle connections
         self._lock = threading.Lock()
         after_fork(self)
 
     def forget_after_fork(self) -> None:
-        self._client, self._listeners = None, {}  # the parent's sockets: not ours to close
+        # the parent's sockets: not ours to close
+        self._client, self._listeners, self._masters = None, {}, {}
         self._lock = threading.Lock()
 
     @property
@@ -180,6 +223,26 @@ class ClusterDriver(Driver):
                     )
                 client = self._client
         return client
+
+    def run(self, steps: Steps[T], action: str) -> T:
+        """:meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in, as the plain
+        Redis driver's: one call less per primitive."""
+        answer = self.answer
+        try:
+            request = steps.send(None)
+            while True:
+                try:
+                    value = answer(request)
+                except BaseException as exc:  # thrown into the store's generator
+                    request = steps.throw(exc)
+                else:
+                    request = steps.send(value)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except StoreUnavailable:
+            raise
+        except ERRORS as exc:
+            self.backend.unavailable(exc, action)
 
     def answer(self, request: Any) -> Any:
         kind = type(request)
@@ -201,14 +264,66 @@ class ClusterDriver(Driver):
         raise TypeError(f"not a Redis Cluster request: {request!r}")
 
     def script(self, request: Script) -> Any:
+        """The script on the master of its slot, over a connection of that master's stack;
+        through the cluster client if that master sends it elsewhere (module docstring)."""
+        client = self.client
+        try:
+            node = client.get_node_from_key(request[1][0])  # the slot's master in its map
+        except redis.exceptions.SlotNotCoveredError:  # redis-py re-reads the layout
+            return self.routed(request)
+        master = self._masters.get(node.name) or self._master(client, node)
+        packed = pack_script(request)
+        try:
+            try:
+                return master.call(packed)
+            except NoScript:
+                master.call(pack(("SCRIPT", "LOAD", request[0].text)))
+                return master.call(packed)
+        except ELSEWHERE:  # not run there: redis-py follows MOVED/ASK, waits out TRYAGAIN…
+            return self.routed(request)
+        except LOST:
+            self._lost(client, node, master)
+            raise
+
+    def _master(self, client: Any, node: Any) -> Connections:
+        """The idle connections of ``node`` (made on first use), and how to make one: the
+        connection class and settings of redis-py's client for that node (TLS, AUTH, client
+        name, RESP2, the store's timeout)."""
+        pool = client.get_redis_connection(node).connection_pool
+        kwargs = pool.connection_kwargs
+        with self._lock:
+            master = self._masters.get(node.name)
+            if master is None:
+                new = functools.partial(pool.connection_class, **kwargs)
+                master = Connections(new, bool(kwargs.get("health_check_interval")))
+                self._masters[node.name] = master
+            return master
+
+    def _lost(self, client: Any, node: Any, master: Connections) -> None:
+        """What redis-py's own call does when a node's connection fails: that node's idle
+        connections closed, the cluster's layout read again (the failed node asked last).
+        An error reading it is not this call's: the next call meets it, or a new layout."""
+        master.close()
+        manager = client.nodes_manager
+        with contextlib.suppress(*ERRORS):
+            if _ASK_FAILED_LAST:
+                manager.move_node_to_end_of_cached_nodes(node.name)
+                manager.initialize(last_failed_node_name=node.name)
+            else:
+                manager.initialize()
+
+    def routed(self, request: Script) -> Any:
+        """The script through the cluster client's ``execute_command`` (routing, MOVED, ASK,
+        TRYAGAIN and CLUSTERDOWN as redis-py handles them). A script missing is loaded on
+        every master: the node that answered NOSCRIPT may not be the one the client's map
+        names (an ASK sends the script to a slot's importing master)."""
         lua, keys, args = request
         client = self.client
         words: Sequence[Any] = ("EVALSHA", lua.sha, len(keys), *keys, *args)
         try:
             return client.execute_command(*words)
         except redis.exceptions.NoScriptError:
-            node = client.get_node_from_key(keys[0])
-            client.execute_command("SCRIPT", "LOAD", lua.text, target_nodes=node)
+            client.execute_command("SCRIPT", "LOAD", lua.text, target_nodes=Client.PRIMARIES)
             return client.execute_command(*words)
 
     def batch(self, scripts: Sequence[Script]) -> list[Any]:
@@ -242,7 +357,7 @@ class ClusterDriver(Driver):
 
     def _part(self, request: Script) -> Any:
         try:
-            return self.script(request)
+            return self.routed(request)
         except ERRORS as exc:
             return exc
 
@@ -283,8 +398,11 @@ class ClusterDriver(Driver):
     def close(self) -> None:
         with self._lock:
             listeners, self._listeners = self._listeners, {}
+            masters, self._masters = self._masters, {}
             client, self._client = self._client, None
         for listener in listeners.values():
             listener.close()
+        for master in masters.values():
+            master.close()
         if client is not None:
             client.close()
