@@ -20,14 +20,25 @@ healed):
   new one. Replication is asynchronous, so the checker treats it as a loss window
   (``losses``: leases granted before it closes may be lost, record updates that overlap it
   are unknown).
+- ``failover`` with ``failover=True`` (``scripts/chaos --failover``; PostgreSQL and MariaDB,
+  tests/servers/pairs.py): a primary and a synchronous replica (PostgreSQL
+  ``synchronous_standby_names`` + ``remote_apply``, MariaDB semi-synchronous ``AFTER_SYNC``),
+  the URL naming both (``postgresql://h1,h2/…?target_session_attrs=read-write``,
+  ``mysql://h1,h2/…``); the fault SIGKILLs the primary, promotes the replica and builds a new
+  replica from it on the dead primary's port, held until that replica is synchronous. Not a
+  loss window: a lease granted before the failover must outlive it. ``postgresql+advisory``
+  runs on the pair too, its locks cut by a failover as by a kill (they live in the dead
+  primary's sessions); ``mysql+getlock`` does not (its URL takes one host).
 
 Which faults reach which store: the network faults go through the proxy in front of the
-URL's address, so they apply only to stores whose clients talk to that address. A Sentinel
+URL's address (a proxy per host for a pair), so they apply only to stores whose clients talk
+to those addresses. A Sentinel
 client asks the sentinel for the master's address and connects there; a Cluster client reads
 the nodes' addresses from the node it was given: the proxy would cut their discovery only,
 never a lease's request, so those two run without it (server, failover and client faults).
 
-Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``.
+Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``
+(``--failover``: the PostgreSQL and MariaDB stores on a pair).
 """
 
 from __future__ import annotations
@@ -45,15 +56,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import latchkey
+from latchkey.stores.io.psycopg import MARGIN as PG_WATCHDOG_MARGIN
 from tests import servers
 from tests.faults.checker import Report, check
 from tests.faults.history import Recorder
-from tests.faults.proxy import Proxy
-from tests.servers import redis_cluster, redis_sentinel
+from tests.faults.proxy import Proxies
+from tests.servers import mariadb, postgresql, redis_cluster, redis_sentinel
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_OF = {
@@ -62,12 +74,33 @@ SERVER_OF = {
     "mongodb": "mongodb", "etcd": "etcd", "zookeeper": "zookeeper",
     "redis+sentinel": "redis_sentinel", "redis+cluster": "redis_cluster",
 }  # fmt: skip
-#: How each setup with failovers is started for a chaos run (a replica per master) and the
-#: failovers it can be put through.
-FAILOVERS: dict[str, tuple[Callable[[Path], Any], tuple[str, ...]]] = {
-    "redis_sentinel": (lambda d: redis_sentinel.start_setup(d), ("kill", "command")),
-    "redis_cluster": (lambda d: redis_cluster.start_cluster(d, replicas=1), ("kill",)),
+
+
+class Failovers(NamedTuple):
+    """How a setup with failovers is started for a chaos run (a replica per master)."""
+
+    start: Callable[[Path], Any]
+    ways: tuple[str, ...]  # the failovers it can be put through
+    #: Asynchronous replication: a failover may lose the latest writes (``losses``).
+    lossy: bool = True
+    #: Only with ``run(failover=True)``: the server is run alone otherwise.
+    optional: bool = False
+
+
+FAILOVERS: dict[str, Failovers] = {
+    "redis_sentinel": Failovers(lambda d: redis_sentinel.start_setup(d), ("kill", "command")),
+    "redis_cluster": Failovers(lambda d: redis_cluster.start_cluster(d, replicas=1), ("kill",)),
+    "postgresql": Failovers(postgresql.start_pair, ("kill",), lossy=False, optional=True),
+    "mysql": Failovers(mariadb.start_pair, ("kill",), lossy=False, optional=True),
 }
+#: How long past the store's timeout one call may run by its driver's design: PostgreSQL's
+#: server ends a statement at the timeout (``statement_timeout``) but not everything a call
+#: waits for — a frozen server, or a commit waiting for a synchronous standby, which
+#: PostgreSQL never times out — and those end by latchkey's watchdog a second later
+#: (docs/reliability.md, "A frozen server").
+PAST_TIMEOUT = {"postgresql": PG_WATCHDOG_MARGIN}
+#: Stores whose server has a failover setup they cannot use, and why.
+NO_FAILOVER = {"mysql+getlock": "GET_LOCK's locks live in one server: its URL takes one host"}
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
 #: runs freeze them but do not restart them; ``scripts/chaos --restarts`` does.
@@ -113,12 +146,20 @@ def run(
     workdir: Path | None = None,
     slow_restarts: bool = False,
     failovers: tuple[str, ...] | None = None,
+    failover: bool = False,
 ) -> Outcome:
     """``failovers``: how a ``failover`` fault moves the master (see FAILOVERS; None: every
-    way the setup knows, chosen at random each time)."""
+    way the setup knows, chosen at random each time). ``failover``: run the store on its
+    optional failover setup (PostgreSQL, MariaDB: a primary and a synchronous replica)."""
     rng = random.Random(seed)
-    tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     kind = SERVER_OF[store]
+    setup = FAILOVERS.get(kind or "")
+    if failover and (setup is None or store in NO_FAILOVER):
+        why = NO_FAILOVER.get(store, "no failover setup")
+        raise ValueError(f"{store}: {why}")
+    if setup is not None and setup.optional and not failover:
+        setup = None
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     server = None
     proxy = None
     if kind is None:
@@ -127,28 +168,29 @@ def run(
     else:
         servers.load_all()
         given = os.environ.get(servers.SERVERS[kind].env_var)
-        if given:  # an existing server: the network and clients are broken, never the server
-            base_url, port = given, urlsplit(given).port or 0
+        if given and setup is None:  # an existing server: the network and clients are broken,
+            base_url = given  # never the server
         else:
-            starts = FAILOVERS[kind][0] if kind in FAILOVERS else servers.SERVERS[kind].start
-            server = starts(tmp / kind)
-            base_url, port = server.url, server.port
+            server = (setup.start if setup else servers.SERVERS[kind].start)(tmp / kind)
+            base_url = server.url
         base = servers.replace_scheme(base_url, store) if store != kind else base_url
         url = servers.with_query(base, timeout=f"{timeout}s")
         allowed = CLIENT
         if not any(row.id == store and row.discovers for row in servers.ROWS):
-            proxy = Proxy("127.0.0.1", port)
-            host_port = urlsplit(base).netloc.rsplit("@", 1)[-1]
-            url = url.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
+            hosts = urlsplit(base).netloc.rsplit("@", 1)[-1]  # h:p, or h1:p1,h2:p2 for a pair
+            targets = [(h, int(p)) for h, _, p in (hp.rpartition(":") for hp in hosts.split(","))]
+            proxy = Proxies(targets)
+            fronts = ",".join(f"127.0.0.1:{p.port}" for p in proxy.proxies)
+            url = url.replace(hosts, fronts, 1)
             allowed += NETWORK
         if server is not None:
             restarts = server.restart_cmd is not None and (
                 slow_restarts or kind not in SLOW_RESTART
             )
             allowed += SERVER if restarts else ("freeze",)
-            if kind in FAILOVERS:
+            if setup is not None:
                 allowed += ("failover",)
-                ways = FAILOVERS[kind][1]
+                ways = setup.ways
                 server.extra["failovers"] = tuple(
                     w for w in ways if failovers is None or w in failovers
                 ) or ways[:1]
@@ -235,8 +277,9 @@ def run(
         kill_bound=timeout + 2.0 + EXPIRY_TAIL.get(store, 0.0),
         cuts=_cuts(caps),
         records_cut=not caps.durable,
-        losses=("failover",),
+        losses=("failover",) if setup is not None and setup.lossy else (),
         ttl_bounded=caps.ttl,
+        call_bound=timeout + PAST_TIMEOUT.get(kind or "", 0.0),
     )
     return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
 
@@ -245,7 +288,7 @@ def _inject(
     fault: str,
     rng: random.Random,
     recorder: Recorder,
-    proxy: Proxy | None,
+    proxy: Proxies | None,
     server: servers.RunningServer | None,
     procs: dict[int, subprocess.Popen[bytes]],
     ttl: float,
@@ -300,18 +343,7 @@ def _inject(
             recorder.healed(extra)
     elif fault in ("restart", "kill") and server is not None:
         if fault == "kill":  # the server and its children, as when its machine dies
-            tree = server.processes()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            servers.wait_port_closed(server.port)
-            servers.wait_gone(tree)
-            data, sockets = server.extra.get("data"), server.extra.get("sockets")
-            if data and sockets:  # PostgreSQL: the dead postmaster may linger as a zombie
-                # nobody reaps (this sandbox's init does not), and a zombie's pid "exists"
-                Path(str(data), "postmaster.pid").unlink(missing_ok=True)
-                for lock in Path(str(sockets)).glob(".s.PGSQL.*.lock"):
-                    lock.unlink(missing_ok=True)
+            server.crash()
         else:
             server.stop()
         server.start()
@@ -335,8 +367,8 @@ def _inject(
 
 def _cuts(caps: Any) -> tuple[str, ...]:
     """The faults that end every lease at once on this store (see checker.check)."""
-    if caps.session_tied:  # a lock lives as long as its connection
-        return ("reset", "blackhole", "freeze", "restart", "kill")
+    if caps.session_tied:  # a lock lives as long as its connection (a failover kills it)
+        return ("reset", "blackhole", "freeze", "restart", "kill", "failover")
     if not caps.durable:  # a restart forgets every lease
         return ("restart", "kill")
     return ()
@@ -358,11 +390,25 @@ def main() -> None:
         "--restarts", action="store_true",
         help=f"restart and kill the slow servers too ({', '.join(SLOW_RESTART)})",
     )
-    args = parser.parse_args()
-    outcome = run(
-        args.store, args.minutes * 60, workers=args.workers, seed=args.seed,
-        slow_restarts=args.restarts,
+    parser.add_argument(
+        "--failover",
+        action="store_true",
+        help="PostgreSQL and MariaDB stores: run on a primary and a synchronous replica (URL "
+        "h1,h2) and fail it over (SIGKILL the primary, promote the replica, build a new one); "
+        f"a failover must lose nothing. Not {', '.join(NO_FAILOVER)} (one host)",
     )
+    args = parser.parse_args()
+    try:
+        outcome = run(
+            args.store,
+            args.minutes * 60,
+            workers=args.workers,
+            seed=args.seed,
+            slow_restarts=args.restarts,
+            failover=args.failover,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     summary = outcome.summary()
     if args.json:
         print(json.dumps(summary))
