@@ -24,7 +24,8 @@ The rules checked:
    name (another owner's) had returned before the call began.
 6. ``record``: the record's final value is the number of successful updates (plus at most
    the number whose outcome is unknown).
-7. ``slow-call``: every call returned within its wait + the store timeout + ``MARGIN``.
+7. ``slow-call``: every call returned within its wait + the store's bound for one call
+   (``call_bound``: its timeout, or what its driver documents) + ``MARGIN``.
 8. ``heal-to-grant`` / ``kill-to-grant``: after a fault healed, some name is granted again
    within ``heal_bound``; after a holder was SIGKILLed, its name within ``kill_bound`` of
    when it could first be granted: its lease may have ended (TTL) and another worker asked.
@@ -109,6 +110,7 @@ def check(
     records_cut: bool = False,
     losses: tuple[str, ...] = (),
     ttl_bounded: bool = True,
+    call_bound: float | None = None,
 ) -> Report:
     """``cuts``: the kinds of fault that may end every lease at once, by the store's own
     rules — a restart of a store that keeps nothing on disk, a dropped connection of a
@@ -123,7 +125,9 @@ def check(
     master sent it to its replica before it answered: Redis queues a write for its replicas
     before its reply, and a killed process's socket still delivers what it had sent).
     ``ttl_bounded``: False for session-tied locks, which last until released (or their
-    session ends), not for a TTL."""
+    session ends), not for a TTL. ``call_bound``: how long one call may take by the store's
+    own account, beyond its wait (None: the timeout; PostgreSQL: the timeout + the second
+    its watchdog leaves the server's ``statement_timeout`` to answer first)."""
     report = Report()
     # A cut is a window: the store may lose its leases at any moment from the fault's start
     # until its end (a server told to stop goes on serving until it gets round to stopping:
@@ -223,13 +227,14 @@ def check(
             w == op.worker and start < op.ret and op.inv < end for w, start, end in stopped
         ):  # a worker SIGSTOPped during its call: slow on purpose
             continue
-        allowed = float(op.args.get("wait") or 0) + timeout + MARGIN
+        bound = timeout if call_bound is None else call_bound
+        allowed = float(op.args.get("wait") or 0) + bound + MARGIN
         took = op.ret - op.inv
         report.longest_call = max(report.longest_call, took - float(op.args.get("wait") or 0))
         if took > allowed:
             report.violations.append(
                 f"slow-call: {op.kind} {op.name} by worker {op.worker} took {took:.2f}s "
-                f"(wait {op.args.get('wait') or 0} + timeout {timeout} + {MARGIN})"
+                f"(wait {op.args.get('wait') or 0} + bound {bound:g} + {MARGIN})"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
     if heal_bound is not None:
