@@ -28,7 +28,9 @@ The rules checked:
    (``call_bound``: its timeout, or what its driver documents) + ``MARGIN``.
 8. ``heal-to-grant`` / ``kill-to-grant``: after a fault healed, some name is granted again
    within ``heal_bound``; after a holder was SIGKILLed, its name within ``kill_bound`` of
-   when it could first be granted: its lease may have ended (TTL) and another worker asked.
+   when it could first be granted: its lease may have ended (TTL) and another worker asked;
+   not counting the time the store was down meanwhile (``OUTAGES``: a server fault holds
+   every grant up, not just the killed holder's names').
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from tests.faults.history import History, Op
 RATE = 0.99  # a store's second may be 1% shorter than the recorder's
 SLACK = 0.005  # seconds
 MARGIN = 1.0  # seconds a call may take beyond its wait + the store's timeout
+#: The faults during which no name can be granted: kill-to-grant does not count them.
+OUTAGES = ("blackhole", "freeze", "restart", "kill", "failover")
 
 
 @dataclass
@@ -397,8 +401,10 @@ def _kill_to_grant(
     acquire of the name is running at that moment or starts later; a try answered busy while
     the lease may still have been live asked too early. The grant is measured from then, so a
     name nobody asked for is not held against the store (the workers pick names and calls at
-    random; a stopped or starved worker asks later)."""
+    random; a stopped or starved worker asks later). Nor is the time a server fault
+    (``OUTAGES``) held every grant up meanwhile."""
     ops = sorted(history.ops, key=lambda op: op.inv)
+    outages = [(f.start, f.end) for f in history.faults if f.kind in OUTAGES and f.end]
     for worker, at in history.kills:
         for name, items in leases.items():
             held = [x for x in items if x.worker == worker and x.start < at and not _released(x)]
@@ -420,14 +426,25 @@ def _kill_to_grant(
                 and o.inv < after[0] and (o.ret is None or o.ret >= free)
             ]  # fmt: skip
             since = min(asks, default=free)
-            delay = after[0] - since
+            delay = after[0] - since - _overlap(outages, since, after[0])
             report.kill_to_grant.append(max(0.0, delay))
             if delay > bound:
                 report.violations.append(
                     f"kill-to-grant: {name} granted {after[0] - at:.2f}s after its holder was "
-                    f"killed, {delay:.2f}s after it could first be (its lease could end "
-                    f"{free - at:.2f}s after the kill; bound {bound}s)"
+                    f"killed, {delay:.2f}s after it could first be, outages aside (its lease "
+                    f"could end {free - at:.2f}s after the kill; bound {bound}s)"
                 )
+
+
+def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """How long, within [start, end], at least one of ``intervals`` was open."""
+    total, reached = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reached), min(b, end)
+        if b > a:
+            total += b - a
+            reached = b
+    return total
 
 
 def _released(lease: Lease) -> bool:
