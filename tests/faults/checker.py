@@ -238,7 +238,8 @@ def check(
         if took > allowed:
             report.violations.append(
                 f"slow-call: {op.kind} {op.name} by worker {op.worker} took {took:.2f}s "
-                f"(wait {op.args.get('wait') or 0} + bound {bound:g} + {MARGIN})"
+                f"(wait {op.args.get('wait') or 0} + bound {bound:g} + {MARGIN}): "
+                f"{_outcome(op.result)}"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
     if heal_bound is not None:
@@ -257,6 +258,13 @@ def check(
     if kill_bound is not None:
         _kill_to_grant(report, history, leases, kill_bound)
     return report
+
+
+def _outcome(result: Any) -> str:
+    """A call's result for a message: an error's type and the end of its text (the cause)."""
+    if isinstance(result, tuple) and result[:1] == ("error",):
+        return f"{result[1]} …{str(result[2])[-110:]}"
+    return repr(result)
 
 
 def _ok(op: Op) -> bool:
