@@ -56,6 +56,8 @@ class Report:
     longest_call: float = 0.0  # seconds beyond the call's own wait
     heal_to_grant: list[float] = field(default_factory=list)
     kill_to_grant: list[float] = field(default_factory=list)
+    #: Seconds from each failover's start (the master killed) to the first grant asked after.
+    failover_to_grant: list[float] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -67,6 +69,11 @@ class Report:
             "longest_call_s": round(self.longest_call, 3),
             "heal_to_grant_max_s": round(max(self.heal_to_grant, default=0.0), 3),
             "kill_to_grant_max_s": round(max(self.kill_to_grant, default=0.0), 3),
+            **(
+                {"failover_to_grant_s": [round(x, 2) for x in self.failover_to_grant]}
+                if self.failover_to_grant
+                else {}
+            ),
         }
 
 
@@ -242,6 +249,13 @@ def check(
                 f"{_outcome(op.result)}"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
+    for fault in history.faults:
+        if fault.kind == "failover":
+            asked = [
+                x.start for items in leases.values() for x in items if x.grant.inv >= fault.start
+            ]
+            if asked:
+                report.failover_to_grant.append(min(asked) - fault.start)
     if heal_bound is not None:
         for fault in history.faults:
             if fault.end is None or fault.kind.startswith("worker"):
