@@ -17,51 +17,40 @@ from tests.faults.checker import check
 from tests.faults.history import Fault, History, Op
 
 
-def _grant(history: History, worker: int, name: str, token: int, inv: float) -> None:
-    args = {"ttl": 1.0, "wait": 0, "lid": f"{worker}:{token}"}
-    op = Op(len(history.ops) + 1, worker, "acquire", name, args, inv, inv + 0.01)
-    op.result = ("granted", token)
-    history.ops.append(op)
+def _op(history: History, worker: int, inv: float, ret: float, result: Any, wait: float) -> None:
+    args = {"ttl": 1.0, "wait": wait, "lid": f"{worker}:{len(history.ops) + 1}"}
+    history.ops.append(Op(len(history.ops) + 1, worker, "acquire", "a", args, inv, ret, result))
 
 
-def _kill_then_grant_after(outage: tuple[float, float] | None, kind: str = "restart") -> Any:
-    """Worker 1 holds ``a`` from t=0 (TTL 1 s), is SIGKILLed at t=0.5; worker 2 is granted
-    ``a`` at t=8 — 7.5 s later, over TTL + 4 s — with ``outage`` in between or not."""
-    history = History()
-    _grant(history, 1, "a", 1, 0.0)
-    history.kills.append((1, 0.5))
-    if outage is not None:
-        history.faults.append(Fault(kind, outage[0], outage[1]))
-    _grant(history, 2, "a", 2, 8.0)
+def _waiter_kept(*outages: Fault) -> Any:
+    """Worker 1 holds ``a`` from t=0 (TTL 1 s: free from 1.01), is SIGKILLed at t=0.5; worker
+    2 asks at 1.5 with a long wait and is granted ``a`` at 8.0: 6.5 s after it could first
+    be, over the bound (4 s) — unless ``outages`` held every grant up meanwhile."""
+    history = History(faults=list(outages), kills=[(1, 0.5)])
+    _op(history, 1, 0.0, 0.01, ("granted", 1), 0)
+    _op(history, 2, 1.5, 8.0, ("granted", 2), 30)
     return check(history, timeout=2.0, semaphores={}, records=[], record_values={},
                  kill_bound=4.0)  # fmt: skip
 
 
 def test_kill_to_grant_counts_the_wait_when_the_store_was_up() -> None:
-    report = _kill_then_grant_after(None)
+    report = _waiter_kept()
     assert [v.split(":")[0] for v in report.violations] == ["kill-to-grant"]
 
 
 def test_kill_to_grant_does_not_count_a_server_outage_meanwhile() -> None:
-    report = _kill_then_grant_after((2.0, 5.0))  # the server restarting for 3 s
+    report = _waiter_kept(Fault("restart", 2.0, 5.0))  # the server restarting for 3 s
     assert report.violations == []
-    # granted at 8.01 (its return), killed at 0.5: beyond the TTL, the outage aside
-    assert report.kill_to_grant == [pytest.approx(8.01 - 0.5 - 3.0 - 1.0)]
+    assert report.kill_to_grant == [pytest.approx(8.0 - 1.5 - 3.0)]
 
 
 def test_kill_to_grant_counts_overlapping_outages_once() -> None:
-    history = History()
-    _grant(history, 1, "a", 1, 0.0)
-    history.kills.append((1, 0.5))
-    history.faults += [Fault("restart", 2.0, 4.0), Fault("failover", 3.0, 5.0)]
-    _grant(history, 2, "a", 2, 8.0)
-    report = check(history, timeout=2.0, semaphores={}, records=[], record_values={},
-                   kill_bound=4.0)  # fmt: skip
-    assert report.kill_to_grant == [pytest.approx(8.01 - 0.5 - 3.0 - 1.0)]
+    report = _waiter_kept(Fault("restart", 2.0, 4.0), Fault("failover", 3.0, 5.0))
+    assert report.kill_to_grant == [pytest.approx(8.0 - 1.5 - 3.0)]
 
 
 def test_a_latency_fault_is_no_outage() -> None:
-    report = _kill_then_grant_after((2.0, 5.0), kind="latency")
+    report = _waiter_kept(Fault("latency", 2.0, 5.0))
     assert [v.split(":")[0] for v in report.violations] == ["kill-to-grant"]
 
 
