@@ -438,7 +438,9 @@ def _kill_to_grant(
             for o in lease.ops:
                 if o.kind == "extend" and o.inv < at:
                     ends.append(min(o.ret if o.ret is not None else at, at) + ttl)
-            free = max(ends)
+            # Not before the kill: a lease it abandoned long before may have let others in
+            # since, whose asks (and grants) say nothing about what the kill held up.
+            free = max(*ends, at)
             after = [x.start for x in items if x.worker != worker and x.start > at]
             if not after:
                 continue

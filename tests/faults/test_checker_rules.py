@@ -69,3 +69,20 @@ def test_slow_call_is_measured_against_the_stores_own_bound() -> None:
     assert "no answer within 3s" in slow.violations[0]  # says how the call ended
     assert _one_call(3.2, 3.0).violations == []  # PostgreSQL's: timeout + 1 s, + 1 s
     assert [v.split(":")[0] for v in _one_call(4.1, 3.0).violations] == ["slow-call"]
+
+
+def test_a_lease_that_could_end_before_the_kill_is_not_the_kills() -> None:
+    """Worker 1 abandoned its lease of ``a`` at t=0 (TTL 1 s); others took ``a`` since; it is
+    killed at 25 and the next grant comes at once. Measured from when that old lease could
+    end (1.01) and the first ask after it, this read as a 24-second wait: a chaos run of the
+    PostgreSQL pair reported five such (13 to 22 s, "its lease could end -47.14s after the
+    kill")."""
+    history = History(kills=[(1, 25.0)])
+    _op(history, 1, 0.0, 0.01, ("granted", 1), 0)
+    _op(history, 2, 2.0, 2.01, ("granted", 2), 0)  # later leases of others, released
+    release = Op(4, 2, "release", "a", {"lid": "2:2", "token": 2}, 2.5, 2.51, ("ok", True))
+    history.ops.append(release)
+    _op(history, 3, 25.1, 25.11, ("granted", 3), 0)
+    report = check(history, timeout=2.0, semaphores={}, records=[], record_values={},
+                   kill_bound=4.0)  # fmt: skip
+    assert report.violations == []
