@@ -24,10 +24,14 @@ The rules checked:
    name (another owner's) had returned before the call began.
 6. ``record``: the record's final value is the number of successful updates (plus at most
    the number whose outcome is unknown).
-7. ``slow-call``: every call returned within its wait + the store timeout + ``MARGIN``.
+7. ``slow-call``: every call returned within its wait + the store's bound for one call
+   (``call_bound``: its timeout, or what its driver documents) + ``MARGIN``.
 8. ``heal-to-grant`` / ``kill-to-grant``: after a fault healed, some name is granted again
    within ``heal_bound``; after a holder was SIGKILLed, its name within ``kill_bound`` of
-   when it could first be granted: its lease may have ended (TTL) and another worker asked.
+   when it could first be granted: its lease may have ended (TTL, or the end of a server
+   fault that began while it may have been live + TTL: ``RENEWALS``) and another worker
+   asked; not counting the time the store was down meanwhile (``OUTAGES``: a server fault
+   holds every grant up, not just the killed holder's names').
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from tests.faults.history import History, Op
 RATE = 0.99  # a store's second may be 1% shorter than the recorder's
 SLACK = 0.005  # seconds
 MARGIN = 1.0  # seconds a call may take beyond its wait + the store's timeout
+#: The faults during which no name can be granted: kill-to-grant does not count them.
+OUTAGES = ("blackhole", "freeze", "restart", "kill", "failover")
+#: The faults after which a store may give every live lease its full TTL again (a restart,
+#: or a new leader: etcd's renews every lease it finds; a stalled leader may be replaced).
+RENEWALS = (*OUTAGES, "freeze-leader")
 
 
 @dataclass
@@ -51,9 +60,9 @@ class Report:
     longest_call: float = 0.0  # seconds beyond the call's own wait
     heal_to_grant: list[float] = field(default_factory=list)
     kill_to_grant: list[float] = field(default_factory=list)
-    #: Per failover: from its start (the leader or master killed) to the first grant of a
-    #: call invoked after that (so surely granted by the setup as it was after the kill);
-    #: only those no other server or network fault interrupted.
+    #: Per failover: from its start (the leader, master or primary killed) to the first grant
+    #: of a call invoked after that (so surely granted by the setup as it was after the
+    #: kill); only those no other server or network fault interrupted.
     failover_to_grant: list[float] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=dict)
 
@@ -120,6 +129,7 @@ def check(
     losses: tuple[str, ...] = (),
     ttl_bounded: bool = True,
     closes_end: bool = False,
+    call_bound: float | None = None,
 ) -> Report:
     """``cuts``: the kinds of fault that may end every lease at once, by the store's own
     rules — a restart of a store that keeps nothing on disk, a dropped connection of a
@@ -136,7 +146,9 @@ def check(
     ``ttl_bounded``: False for session-tied locks, which last until released (or their
     session ends), not for a TTL. ``closes_end``: a lease also ends when its holder closes
     its store (ZooKeeper: closing the session deletes its ephemeral nodes at once), so a
-    worker's exit ends the leases it abandoned."""
+    worker's exit ends the leases it abandoned. ``call_bound``: how long one call may take
+    by the store's own account, beyond its wait (None: the timeout; PostgreSQL: the timeout
+    + the second its watchdog leaves the server's ``statement_timeout`` to answer first)."""
     report = Report()
     # A cut is a window: the store may lose its leases at any moment from the fault's start
     # until its end (a server told to stop goes on serving until it gets round to stopping:
@@ -239,13 +251,15 @@ def check(
             w == op.worker and start < op.ret and op.inv < end for w, start, end in stopped
         ):  # a worker SIGSTOPped during its call: slow on purpose
             continue
-        allowed = float(op.args.get("wait") or 0) + timeout + MARGIN
+        bound = timeout if call_bound is None else call_bound
+        allowed = float(op.args.get("wait") or 0) + bound + MARGIN
         took = op.ret - op.inv
         report.longest_call = max(report.longest_call, took - float(op.args.get("wait") or 0))
         if took > allowed:
             report.violations.append(
                 f"slow-call: {op.kind} {op.name} by worker {op.worker} took {took:.2f}s "
-                f"(wait {op.args.get('wait') or 0} + timeout {timeout} + {MARGIN})"
+                f"(wait {op.args.get('wait') or 0} + bound {bound:g} + {MARGIN}): "
+                f"{_outcome(op.result)}"
             )
     grant_times = sorted(lease.start for items in leases.values() for lease in items)
     for fault in history.faults:
@@ -277,6 +291,13 @@ def check(
     if kill_bound is not None:
         _kill_to_grant(report, history, leases, kill_bound)
     return report
+
+
+def _outcome(result: Any) -> str:
+    """A call's result for a message: an error's type and the end of its text (the cause)."""
+    if isinstance(result, tuple) and result[:1] == ("error",):
+        return f"{result[1]} …{str(result[2])[-110:]}"
+    return repr(result)
 
 
 def _ok(op: Op) -> bool:
@@ -417,12 +438,15 @@ def _kill_to_grant(
     """After a holder was SIGKILLed, its name must be granted again within ``bound`` of when
     it could first be: the later of the moment its lease may have ended (the grant's or its
     last extend's return plus the TTL; a renewal in the background extends it at most to the
-    kill plus the TTL) and the moment another worker asked for it. A worker asks when an
-    acquire of the name is running at that moment or starts later; a try answered busy while
-    the lease may still have been live asked too early. The grant is measured from then, so a
-    name nobody asked for is not held against the store (the workers pick names and calls at
-    random; a stopped or starved worker asks later)."""
+    kill plus the TTL; a server fault (``RENEWALS``) that began before then may renew it to
+    the fault's end plus the TTL) and the moment another worker asked for it. A worker asks
+    when an acquire of the name is running at that moment or starts later; a try answered
+    busy while the lease may still have been live asked too early. The grant is measured from
+    then, so a name nobody asked for is not held against the store (the workers pick names
+    and calls at random; a stopped or starved worker asks later). Nor is the time a server
+    fault (``OUTAGES``) held every grant up meanwhile."""
     ops = sorted(history.ops, key=lambda op: op.inv)
+    outages = [(f.start, f.end) for f in history.faults if f.kind in OUTAGES and f.end]
     for worker, at in history.kills:
         for name, items in leases.items():
             held = [x for x in items if x.worker == worker and x.start < at and not _released(x)]
@@ -434,33 +458,49 @@ def _kill_to_grant(
             for o in lease.ops:
                 if o.kind == "extend" and o.inv < at:
                     ends.append(min(o.ret if o.ret is not None else at, at) + ttl)
-            free = max(ends)
+            # Not before the kill: a lease it abandoned long before may have let others in
+            # since, whose asks (and grants) say nothing about what the kill held up.
+            free = max(*ends, at)
             after = [x.start for x in items if x.worker != worker and x.start > at]
             if not after:
                 continue
-            # A server or network fault that overlapped the wait may give the lease its full
-            # TTL again from its end (a store down or being failed over grants nothing, and a
-            # restart or a new leader may renew every lease: etcd does).
-            healed = [
-                f.end for f in history.faults
-                if f.end is not None and not f.kind.startswith("worker")
-                and f.start < after[0] and f.end > at
-            ]  # fmt: skip
-            free = max([free, *(end + ttl for end in healed)])
+            # A server fault that began while the lease may still have been live may give it
+            # its full TTL again from the fault's end (a restart or a new leader may renew
+            # every lease: etcd does), and so on for the next one. One that began after the
+            # lease had surely ended cannot bring it back: it only held grants up while it
+            # lasted, which the outage discount below leaves out.
+            for f in sorted(history.faults, key=lambda f: f.start):
+                if (
+                    f.kind in RENEWALS and f.end is not None
+                    and f.end > at and f.start < min(free, after[0])
+                ):  # fmt: skip
+                    free = max(free, f.end + ttl)
             asks = [
                 max(o.inv, free) for o in ops
                 if o.kind == "acquire" and o.name == name and o.worker != worker
                 and o.inv < after[0] and (o.ret is None or o.ret >= free)
             ]  # fmt: skip
             since = min(asks, default=free)
-            delay = after[0] - since
+            delay = after[0] - since - _overlap(outages, since, after[0])
             report.kill_to_grant.append(max(0.0, delay))
             if delay > bound:
                 report.violations.append(
                     f"kill-to-grant: {name} granted {after[0] - at:.2f}s after its holder was "
-                    f"killed, {delay:.2f}s after it could first be (its lease could end "
-                    f"{free - at:.2f}s after the kill or a fault's end since; bound {bound}s)"
+                    f"killed, {delay:.2f}s after it could first be, outages aside (its lease "
+                    f"could end {free - at:.2f}s after the kill or a fault's end since; bound "
+                    f"{bound}s)"
                 )
+
+
+def _overlap(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """How long, within [start, end], at least one of ``intervals`` was open."""
+    total, reached = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reached), min(b, end)
+        if b > a:
+            total += b - a
+            reached = b
+    return total
 
 
 def _released(lease: Lease) -> bool:

@@ -116,3 +116,27 @@ def _abort(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     with contextlib.suppress(OSError):
         sock.close()
+
+
+class Proxies:
+    """A proxy in front of each host of a URL (a primary and its replica: ``h1,h2``), broken
+    and healed together: the network between the clients and every server fails at once."""
+
+    def __init__(self, targets: list[tuple[str, int]]) -> None:
+        self.proxies = [Proxy(host, port) for host, port in targets]
+
+    def set(self, mode: str, latency: float = 0.0) -> None:
+        for proxy in self.proxies:
+            proxy.set(mode, latency)
+
+    def heal(self) -> None:
+        for proxy in self.proxies:
+            proxy.heal()
+
+    def reset(self) -> None:
+        for proxy in self.proxies:
+            proxy.reset()
+
+    def close(self) -> None:
+        for proxy in self.proxies:
+            proxy.close()

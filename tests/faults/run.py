@@ -27,18 +27,28 @@ healed):
   lease lost, a token repeated or an update lost there is a violation like any other. And
   ``freeze-leader``: the leader alone SIGSTOPped, then SIGCONTed. ``freeze``, ``restart``
   and ``kill`` act on every member at once.
+- ``failover`` on PostgreSQL and MariaDB, with ``failover=True`` (``scripts/chaos --failover``;
+  tests/servers/pairs.py): a primary and a synchronous replica (PostgreSQL
+  ``synchronous_standby_names`` + ``remote_apply``, MariaDB semi-synchronous ``AFTER_SYNC``),
+  the URL naming both (``postgresql://h1,h2/…?target_session_attrs=read-write``,
+  ``mysql://h1,h2/…``); the fault SIGKILLs the primary, promotes the replica and builds a new
+  replica from it on the dead primary's port, held until that replica is synchronous. Not a
+  loss window: a lease granted before the failover must outlive it. ``postgresql+advisory``
+  runs on the pair too, its locks cut by a failover as by a kill (they live in the dead
+  primary's sessions); ``mysql+getlock`` does not (its URL takes one host).
 
 Which faults reach which store: the network faults go through the proxy in front of the
-URL's address, so they apply only to stores whose clients talk to that address. A Sentinel
-client asks the sentinel for the master's address and connects there; a Cluster client reads
-the nodes' addresses from the node it was given: the proxy would cut their discovery only,
-never a lease's request, so those two run without it (server, failover and client faults).
+URL's address (a proxy per host for a pair), so they apply only to stores whose clients talk
+to those addresses. A Sentinel client asks the sentinel for the master's address and
+connects there; a Cluster client reads the nodes' addresses from the node it was given: the
+proxy would cut their discovery only, never a lease's request, so those two run without it
+(server, failover and client faults).
 An etcd or ZooKeeper cluster's URL names every member, and its client moves to another when
 one fails: a proxy in front of one member would cut a third of the cluster, so those runs
 have no proxy either.
 
 Command line (scripts/chaos): ``python -m tests.faults.run --store redis --minutes 10``;
-``--store etcd --failover`` for the cluster.
+``--failover`` for etcd's cluster, ZooKeeper's ensemble, the PostgreSQL and MariaDB pairs.
 """
 
 from __future__ import annotations
@@ -61,11 +71,12 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import latchkey
+from latchkey.stores.io.psycopg import MARGIN as PG_WATCHDOG_MARGIN
 from tests import servers
 from tests.faults.checker import Report, check
 from tests.faults.history import Recorder
-from tests.faults.proxy import Proxy
-from tests.servers import etcd, redis_cluster, redis_sentinel, zookeeper
+from tests.faults.proxy import Proxies
+from tests.servers import etcd, mariadb, postgresql, redis_cluster, redis_sentinel, zookeeper
 from tests.servers.quorum import Quorum
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +92,7 @@ class Failovers(NamedTuple):
     """How a setup with failovers is started for a chaos run, and how it fails over."""
 
     start: Callable[[Path], Any]
-    ways: tuple[str, ...]  # how a ``failover`` fault may move the leader or master
+    ways: tuple[str, ...]  # how a ``failover`` fault may move the leader, master or primary
     #: A failover may lose the latest writes (asynchronous replication): a loss window for
     #: the checker (``losses``). False: it must lose nothing.
     loses: bool
@@ -90,7 +101,8 @@ class Failovers(NamedTuple):
     on_request: bool = False
 
 
-#: The setups with failovers (a replica per master; a three-member quorum).
+#: The setups with failovers (a replica per master; a three-member quorum; a primary and a
+#: synchronous replica, tests/servers/pairs.py).
 FAILOVERS: dict[str, Failovers] = {
     "redis_sentinel": Failovers(redis_sentinel.start_setup, ("kill", "command"), loses=True),
     "redis_cluster": Failovers(
@@ -98,7 +110,17 @@ FAILOVERS: dict[str, Failovers] = {
     ),
     "etcd": Failovers(etcd.start_quorum, ("kill",), loses=False, on_request=True),
     "zookeeper": Failovers(zookeeper.start_quorum, ("kill",), loses=False, on_request=True),
+    "postgresql": Failovers(postgresql.start_pair, ("kill",), loses=False, on_request=True),
+    "mysql": Failovers(mariadb.start_pair, ("kill",), loses=False, on_request=True),
 }
+#: How long past the store's timeout one call may run by its driver's design: PostgreSQL's
+#: server ends a statement at the timeout (``statement_timeout``) but not everything a call
+#: waits for — a frozen server, or a commit waiting for a synchronous standby, which
+#: PostgreSQL never times out — and those end by latchkey's watchdog a second later
+#: (docs/reliability.md, "A frozen server").
+PAST_TIMEOUT = {"postgresql": PG_WATCHDOG_MARGIN}
+#: Stores whose server has a failover setup they cannot use, and why.
+NO_FAILOVER = {"mysql+getlock": "GET_LOCK's locks live in one server: its URL takes one host"}
 NETWORK = ("latency", "blackhole", "reset")
 #: Servers whose restart takes longer than a short run (mongod under qemu: ~25 s): the short
 #: runs freeze them but do not restart them; ``scripts/chaos --restarts`` does.
@@ -151,16 +173,19 @@ def run(
     failover: bool = False,
 ) -> Outcome:
     """``failovers``: how a ``failover`` fault moves the master (see FAILOVERS; None: every
-    way the setup knows, chosen at random each time). ``failover``: run etcd or ZooKeeper
-    on a three-member cluster and fail its leader over (FAILOVERS, ``on_request``)."""
+    way the setup knows, chosen at random each time). ``failover``: run the store on its
+    setup with failovers asked for (FAILOVERS, ``on_request``: etcd or ZooKeeper on a
+    three-member cluster whose leader fails over; PostgreSQL or MariaDB on a primary and a
+    synchronous replica)."""
     rng = random.Random(seed)
-    tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     kind = SERVER_OF[store]
     setup = FAILOVERS.get(kind or "")
-    if failover and setup is None:
-        raise ValueError(f"{store}: no setup with failovers (see FAILOVERS)")
+    if failover and (setup is None or store in NO_FAILOVER):
+        why = NO_FAILOVER.get(store, "no setup with failovers (see FAILOVERS)")
+        raise ValueError(f"{store}: {why}")
     if setup is not None and setup.on_request and not failover:
         setup = None
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="latchkey-chaos-"))
     server = None
     proxy = None
     if kind is None:
@@ -168,21 +193,22 @@ def run(
         allowed: tuple[str, ...] = CLIENT
     else:
         servers.load_all()
-        given = None if failover else os.environ.get(servers.SERVERS[kind].env_var)
-        if given:  # an existing server: the network and clients are broken, never the server
-            base_url, port = given, urlsplit(given).port or 0
+        given = os.environ.get(servers.SERVERS[kind].env_var)
+        if given and setup is None:  # an existing server: the network and clients are broken,
+            base_url = given  # never the server
         else:
-            starts = setup.start if setup is not None else servers.SERVERS[kind].start
-            server = starts(tmp / kind)
-            base_url, port = server.url, server.port
+            server = (setup.start if setup else servers.SERVERS[kind].start)(tmp / kind)
+            base_url = server.url
         base = servers.replace_scheme(base_url, store) if store != kind else base_url
         url = servers.with_query(base, timeout=f"{timeout}s")
         allowed = CLIENT
         discovers = any(row.id == store and row.discovers for row in servers.ROWS)
         if not discovers and not isinstance(server, Quorum):
-            proxy = Proxy("127.0.0.1", port)
-            host_port = urlsplit(base).netloc.rsplit("@", 1)[-1]
-            url = url.replace(host_port, f"127.0.0.1:{proxy.port}", 1)
+            hosts = urlsplit(base).netloc.rsplit("@", 1)[-1]  # h:p, or h1:p1,h2:p2 for a pair
+            targets = [(h, int(p)) for h, _, p in (hp.rpartition(":") for hp in hosts.split(","))]
+            proxy = Proxies(targets)
+            fronts = ",".join(f"127.0.0.1:{p.port}" for p in proxy.proxies)
+            url = url.replace(hosts, fronts, 1)
             allowed += NETWORK
         if server is not None:
             restarts = server.restart_cmd is not None and (
@@ -283,6 +309,7 @@ def run(
         losses=("failover",) if setup is not None and setup.loses else (),
         ttl_bounded=caps.ttl,
         closes_end=store in CLOSES_END,
+        call_bound=timeout + PAST_TIMEOUT.get(kind or "", 0.0),
     )
     return Outcome(store, time.monotonic() - started, report, timeout, ttl, recorder.history)
 
@@ -291,7 +318,7 @@ def _inject(
     fault: str,
     rng: random.Random,
     recorder: Recorder,
-    proxy: Proxy | None,
+    proxy: Proxies | None,
     server: servers.RunningServer | None,
     procs: dict[int, subprocess.Popen[bytes]],
     ttl: float,
@@ -350,18 +377,7 @@ def _inject(
             recorder.healed(extra)
     elif fault in ("restart", "kill") and server is not None:
         if fault == "kill":  # the server and its children, as when its machine dies
-            tree = server.processes()
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            servers.wait_port_closed(server.port)
-            servers.wait_gone(tree)
-            data, sockets = server.extra.get("data"), server.extra.get("sockets")
-            if data and sockets:  # PostgreSQL: the dead postmaster may linger as a zombie
-                # nobody reaps (this sandbox's init does not), and a zombie's pid "exists"
-                Path(str(data), "postmaster.pid").unlink(missing_ok=True)
-                for lock in Path(str(sockets)).glob(".s.PGSQL.*.lock"):
-                    lock.unlink(missing_ok=True)
+            server.crash()
         else:
             server.stop()
         server.start()
@@ -385,8 +401,8 @@ def _inject(
 
 def _cuts(caps: Any) -> tuple[str, ...]:
     """The faults that end every lease at once on this store (see checker.check)."""
-    if caps.session_tied:  # a lock lives as long as its connection
-        return ("reset", "blackhole", "freeze", "restart", "kill")
+    if caps.session_tied:  # a lock lives as long as its connection (a failover kills it)
+        return ("reset", "blackhole", "freeze", "restart", "kill", "failover")
     if not caps.durable:  # a restart forgets every lease
         return ("restart", "kill")
     return ()
@@ -410,17 +426,27 @@ def main() -> None:
     )
     parser.add_argument(
         "--failover", action="store_true",
-        help="etcd, zookeeper: a three-member cluster whose leader is killed (failover faults)",
+        help="etcd, zookeeper: a three-member cluster whose leader is killed; postgresql, "
+        "postgresql+advisory, mysql: a primary and a synchronous replica (URL h1,h2), failed "
+        "over (SIGKILL the primary, promote the replica, build a new one). A failover must "
+        f"lose nothing. Not {', '.join(NO_FAILOVER)} (one host)",
     )
     parser.add_argument(
         "--restarts", action="store_true",
         help=f"restart and kill the slow servers too ({', '.join(SLOW_RESTART)})",
     )
     args = parser.parse_args()
-    outcome = run(
-        args.store, args.minutes * 60, workers=args.workers, seed=args.seed,
-        slow_restarts=args.restarts, failover=args.failover,
-    )
+    try:
+        outcome = run(
+            args.store,
+            args.minutes * 60,
+            workers=args.workers,
+            seed=args.seed,
+            slow_restarts=args.restarts,
+            failover=args.failover,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     summary = outcome.summary()
     if args.history:
         with open(args.history, "wb") as out:

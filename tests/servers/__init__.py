@@ -60,6 +60,22 @@ class RunningServer:
         stopping the postmaster alone freezes nothing a client talks to)."""
         return [self.pid, *children(self.pid)]
 
+    def crash(self) -> None:
+        """SIGKILL the server and its children, as when its machine dies; returns once its
+        port is closed and its processes are gone. Start it again with :meth:`start`."""
+        tree = self.processes()
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_port_closed(self.port)
+        wait_gone(tree)
+        data, sockets = self.extra.get("data"), self.extra.get("sockets")
+        if data and sockets:  # PostgreSQL: the dead postmaster may linger as a zombie nobody
+            # reaps (this sandbox's init does not), and a zombie's pid "exists"
+            Path(str(data), "postmaster.pid").unlink(missing_ok=True)
+            for lock in Path(str(sockets)).glob(".s.PGSQL.*.lock"):
+                lock.unlink(missing_ok=True)
+
     @contextlib.contextmanager
     def frozen(self) -> Iterator[None]:
         """SIGSTOP the server and its children, SIGCONT them on exit: the kernel still accepts

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import psycopg
+
 from tests.servers import (
     ROWS,
     SERVERS,
@@ -34,6 +36,7 @@ from tests.servers import (
     wait_port_open,
     with_query,
 )
+from tests.servers.pairs import ReplicatedPair, until
 
 PG_BIN = "/usr/lib/postgresql/15/bin"
 
@@ -154,10 +157,12 @@ ROWS.append(
 )
 
 
-def start_replica(primary: RunningServer, workdir: Path, name: str = "replica1") -> RunningServer:
-    """A streaming replica of ``primary`` (pg_basebackup -R) on a free loopback port, named
-    ``name`` to the primary (``application_name``: what ``synchronous_standby_names`` lists).
-    Promote it with :func:`promote`."""
+def start_replica(
+    primary: RunningServer, workdir: Path, name: str = "replica1", port: int | None = None
+) -> RunningServer:
+    """A streaming replica of ``primary`` (pg_basebackup -R) on loopback ``port`` (None: a
+    free one), named ``name`` to the primary (``application_name``: what
+    ``synchronous_standby_names`` lists). Promote it with :func:`promote`."""
     bindir = Path(str(primary.extra["bindir"]))
     as_postgres = _as_postgres()
     home = _owned_dir(workdir / "pg-replica", as_postgres)
@@ -167,11 +172,11 @@ def start_replica(primary: RunningServer, workdir: Path, name: str = "replica1")
     sockets = _owned_dir(Path(tempfile.mkdtemp(prefix="lkpg-")), as_postgres)
     _run(
         [str(bindir / "pg_basebackup"), "-D", str(data), "-h", "127.0.0.1",
-         "-p", str(primary.port), "-U", "postgres", "-X", "stream", "-R",
+         "-p", str(primary.port), "-U", "postgres", "-X", "stream", "-R", "-c", "fast",
          "-d", f"application_name={name}"],
         as_postgres, home, "pg_basebackup",
     )  # fmt: skip
-    port = free_port()
+    port = free_port() if port is None else port
     launch = _launcher(bindir, home, data, sockets, port, "pg_ctl start (replica)")
     pid = launch()
     wait_port_open(port)
@@ -192,3 +197,58 @@ def promote(replica: RunningServer) -> None:
     home = Path(str(replica.extra["home"]))
     _run([str(bindir / "pg_ctl"), "promote", "-w", "-t", "60", "-D", data],
          _as_postgres(), home, "pg_ctl promote")  # fmt: skip
+
+
+class PostgresPair(ReplicatedPair):
+    """A primary and a synchronous streaming replica (see :mod:`tests.servers.pairs`)."""
+
+    def replica_ready(self) -> bool:
+        try:
+            with psycopg.connect(self.primary.url, autocommit=True, connect_timeout=5) as sql:
+                rows = sql.execute(
+                    "SELECT 1 FROM pg_stat_replication WHERE application_name = %s"
+                    " AND state = 'streaming' AND sync_state = 'sync'",
+                    (REPLICA,),
+                ).fetchall()
+        except psycopg.Error:
+            return False
+        return bool(rows)
+
+    def promote(self, replica: RunningServer) -> None:
+        promote(replica)  # its synchronous_standby_names came with its base backup
+
+    def replica_of(self, primary: RunningServer, workdir: Path, port: int) -> RunningServer:
+        return start_replica(primary, workdir, REPLICA, port=port)
+
+
+#: The name every replica of a pair has: the one ``synchronous_standby_names`` lists.
+REPLICA = "replica1"
+
+
+def start_pair(workdir: Path) -> PostgresPair:
+    """A primary and a replica (see :mod:`tests.servers.pairs`): ``synchronous_standby_names``
+    names the replica and ``synchronous_commit = remote_apply`` (an acknowledged commit is
+    visible on the replica), set before the base backup so that every replica, promoted,
+    keeps them. Returns once the replica is synchronous."""
+    primary = start(workdir / "gen0")
+    replica = None
+    try:
+        with psycopg.connect(primary.url, autocommit=True) as sql:
+            sql.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{REPLICA}'")
+            sql.execute("ALTER SYSTEM SET synchronous_commit = 'remote_apply'")
+            sql.execute("SELECT pg_reload_conf()")
+        replica = start_replica(primary, workdir / "gen1", REPLICA)
+        pair = PostgresPair(
+            url=f"postgresql://postgres@127.0.0.1:{primary.port},127.0.0.1:{replica.port}"
+            "/postgres?target_session_attrs=read-write",
+            pid=primary.pid, port=primary.port, workdir=workdir,
+            restart_cmd=lambda: pair.primary.pid,  # start() is the pair's own
+            stop_signal=signal.SIGINT, extra={"primary": primary, "replica": replica},
+        )  # fmt: skip
+        until(pair.replica_ready, 60, "the replica synchronous")
+    except BaseException:
+        for server in (replica, primary):
+            if server is not None:
+                server.stop()
+        raise
+    return pair

@@ -60,6 +60,11 @@ class Quorum(RunningServer):
             wait_port_closed(member.port)
             wait_gone([member.pid])
 
+    def crash(self) -> None:
+        """The chaos run's ``kill``: every member at once, as when their machines die (each
+        member's port closed, not just the first's)."""
+        self.kill()
+
     def start(self) -> None:
         """Start every member again on its data (all at once: none serves alone), and wait
         until each serves."""
