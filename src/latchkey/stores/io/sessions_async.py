@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import sys
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any, ClassVar, TypeVar
 
 from latchkey.errors import StoreUnavailable
@@ -147,19 +146,21 @@ class AsyncSessionDriver(AsyncDriver):
 
     async def held(self, coro: Coroutine[Any, Any, T], seconds: float) -> T:
         """:meth:`shielded` for a coroutine, within ``seconds``, without a task of its own:
-        ``coro`` is driven here, step by step, in the caller's task. What it waits for is
-        awaited through a stand-in future, so a cancellation of the caller cancels the
-        stand-in, not the statement's own future: it is held back until ``coro`` ends, as
-        :meth:`shielded` does. The deadline, on the other hand, cuts ``coro`` (its future is
-        cancelled, so it unwinds as a cancelled task would) and is ``TimeoutError``.
+        ``coro`` is driven here, step by step, in the caller's task. The caller's task waits
+        for what ``coro`` waits for through a :class:`_Hold`, which hands the task's wake-up
+        to that future and refuses the task's cancellation: the task is then cancelled when
+        the future is done, here, and the cancellation is held back until ``coro`` ends, as
+        :meth:`shielded` does. The deadline, on the other hand, cuts ``coro`` (the hold
+        cancels its future, so it unwinds as a cancelled task would) and is ``TimeoutError``.
 
         Why: a task per statement (``shielded``) costs its scheduling and two more turns of
         the loop for the shield's callbacks, ~45 µs of a ~190 µs asyncio GET_LOCK pair on
-        the development VM; the stand-in costs one turn per wait."""
+        the development VM; a stand-in future (woken by the statement's future, then waking
+        the task) one more turn per wait; the hold none."""
         if sys.version_info < (3, 11):  # pragma: no cover - no Task.uncancel: the task way
             return await self.shielded(bounded(coro, seconds))
-        loop = asyncio.get_running_loop()
         with Deadline(seconds) as deadline:
+            hold = _Hold(deadline)
             while True:
                 try:
                     waited = coro.send(None)
@@ -176,16 +177,13 @@ class AsyncSessionDriver(AsyncDriver):
                 # Taken over, as a task would: the flag is the protocol by which a Task knows
                 # a yielded future (asyncio.futures.isfuture), set by Future.__await__.
                 waited._asyncio_future_blocking = False
-                while not waited.done():
-                    stand_in = loop.create_future()
-                    waited.add_done_callback(functools.partial(_settle, stand_in))
-                    try:
-                        await stand_in
-                    except asyncio.CancelledError:
-                        if deadline.expired:  # cut the statement: it unwinds, cancelled
-                            waited.cancel()
-                            break
-                        self.deferred = True  # the caller's: held back until the end
+                try:
+                    await hold.on(waited)
+                except asyncio.CancelledError:
+                    # ``waited`` is done: cancelled by the deadline (``coro`` unwinds at the
+                    # next send), or the caller's cancellation, held back until the end.
+                    if not deadline.expired:
+                        self.deferred = True
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     async def _relock(self) -> None:
@@ -352,6 +350,32 @@ class AsyncSessionDriver(AsyncDriver):
                 await self.let_go(session, keys.get(session, []))
 
 
-def _settle(stand_in: asyncio.Future[None], waited: asyncio.Future[Any]) -> None:
-    if not stand_in.done():
-        stand_in.set_result(None)
+class _Hold:
+    """What the caller's task waits on in :meth:`AsyncSessionDriver.held` while a statement
+    waits for ``waited``: future-like to the task, which registers its wake-up straight on
+    ``waited`` (no turn of the loop in between) and calls :meth:`cancel` to cancel it.
+
+    That cancel is refused while the deadline has not come: asyncio's Task then remembers it
+    and throws CancelledError in at its next step, which comes when ``waited`` is done, so
+    the statement is never cut. Once the deadline has come, it cancels ``waited``."""
+
+    __slots__ = ("_asyncio_future_blocking", "add_done_callback", "deadline", "get_loop",
+                 "waited")  # fmt: skip
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+
+    def on(self, waited: Any) -> _Hold:
+        self.waited = waited
+        self.add_done_callback = waited.add_done_callback  # what the task calls
+        self.get_loop = waited.get_loop
+        return self
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self.deadline.expired:
+            return bool(self.waited.cancel(msg))
+        return False  # held back: the task is cancelled once ``waited`` is done
+
+    def __await__(self) -> Generator[Any, None, None]:
+        self._asyncio_future_blocking = True
+        yield self
