@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import TypeVar
 
 T = TypeVar("T")
+D = TypeVar("D", bound="Deadline")
 
 #: A timer may fire this much before its time (the loop runs timers due within its clock's
 #: resolution): a deadline this close counts as come.
@@ -99,7 +100,7 @@ class Deadline:
         self.seconds = seconds
         self.expired = False  # the keeper cancelled the task for it (not yet uncancelled)
 
-    def __enter__(self) -> Deadline:
+    def __enter__(self: D) -> D:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task(loop)
         if task is None:  # pragma: no cover - a coroutine always runs in a task here

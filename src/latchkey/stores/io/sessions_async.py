@@ -19,6 +19,7 @@ flavour: given back once they hold nothing, discarded when they failed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import sys
 from collections.abc import Awaitable, Coroutine, Generator
@@ -26,7 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
+from latchkey.stores.io.aio import AsyncDriver, bounded
 from latchkey.stores.io.deadlines import Deadline
 from latchkey.stores.io.sessions import IDLE_SPARES, held_keys
 from latchkey.stores.sessionlocks import (
@@ -63,7 +64,7 @@ class AsyncSessionDriver(AsyncDriver):
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
         self.timeout: float = backend.timeout
-        self.mutex = asyncio.Lock()
+        self.mutex = Mutex()
         self.main: Any = None
         self.idle: list[Any] = []
         self.spares: set[Any] = set()
@@ -85,6 +86,10 @@ class AsyncSessionDriver(AsyncDriver):
 
     async def hung_up(self, session: Any) -> bool:
         raise NotImplementedError
+
+    def fresh(self, session: Any) -> bool:
+        """Whether ``session`` was used so recently that :meth:`hung_up` need not be asked."""
+        return False
 
     def usable(self, session: Any, exc: BaseException) -> bool:
         """After ``exc`` (a driver error, not a timeout): whether the session is still usable."""
@@ -115,10 +120,25 @@ class AsyncSessionDriver(AsyncDriver):
     # -- running primitives ----------------------------------------------------------------------
 
     async def run(self, steps: Steps[T], action: str) -> T:
-        async with self.mutex:  # (cancelled while waiting for it: nothing was started)
+        mutex = self.mutex
+        if not mutex.take():
+            await mutex.acquire()  # (cancelled while waiting for it: nothing was started)
+        try:
             self.deferred = False
             try:
-                result = await adrive(steps, self.answer)
+                # adrive(steps, self.answer), written out here: one coroutine less a primitive
+                value: Any = None
+                error: BaseException | None = None
+                while True:
+                    try:
+                        request = steps.send(value) if error is None else steps.throw(error)
+                    except StopIteration as stop:
+                        result: T = stop.value
+                        break
+                    try:
+                        value, error = await self.answer(request), None
+                    except BaseException as exc:  # thrown into the store's generator
+                        value, error = None, exc
             except StoreUnavailable:
                 raise
             except self.errors as exc:
@@ -130,6 +150,8 @@ class AsyncSessionDriver(AsyncDriver):
             if deferred:
                 raise asyncio.CancelledError  # held back until the primitive was done
             return result
+        finally:
+            mutex.release()
 
     async def shielded(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` to its end even if the caller is cancelled meanwhile: the cancellation
@@ -159,8 +181,7 @@ class AsyncSessionDriver(AsyncDriver):
         the task) one more turn per wait; the hold none."""
         if sys.version_info < (3, 11):  # pragma: no cover - no Task.uncancel: the task way
             return await self.shielded(bounded(coro, seconds))
-        with Deadline(seconds) as deadline:
-            hold = _Hold(deadline)
+        with _Hold(seconds) as hold:
             while True:
                 try:
                     waited = coro.send(None)
@@ -170,7 +191,7 @@ class AsyncSessionDriver(AsyncDriver):
                     try:
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
-                        if deadline.expired:
+                        if hold.expired:
                             coro.throw(asyncio.CancelledError())
                         self.deferred = True
                     continue
@@ -182,7 +203,7 @@ class AsyncSessionDriver(AsyncDriver):
                 except asyncio.CancelledError:
                     # ``waited`` is done: cancelled by the deadline (``coro`` unwinds at the
                     # next send), or the caller's cancellation, held back until the end.
-                    if not deadline.expired:
+                    if not hold.expired:
                         self.deferred = True
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
@@ -203,7 +224,9 @@ class AsyncSessionDriver(AsyncDriver):
         if kind is Run:
             statement, params, session = request
             if session is None:
-                session = await self._main()
+                session = self.main
+                if session is None or not self.fresh(session):
+                    session = await self._main()
             elif session.closed:
                 raise SessionEnded("the session holding the lock has ended")
             if statement.answer == WAIT:
@@ -350,20 +373,18 @@ class AsyncSessionDriver(AsyncDriver):
                 await self.let_go(session, keys.get(session, []))
 
 
-class _Hold:
-    """What the caller's task waits on in :meth:`AsyncSessionDriver.held` while a statement
-    waits for ``waited``: future-like to the task, which registers its wake-up straight on
-    ``waited`` (no turn of the loop in between) and calls :meth:`cancel` to cancel it.
+class _Hold(Deadline):
+    """The deadline of a statement in :meth:`AsyncSessionDriver.held`, and what the caller's
+    task waits on while the statement waits for ``waited``: future-like to the task, which
+    registers its wake-up straight on ``waited`` (no turn of the loop in between) and calls
+    :meth:`cancel` to cancel it.
 
     That cancel is refused while the deadline has not come: asyncio's Task then remembers it
     and throws CancelledError in at its next step, which comes when ``waited`` is done, so
-    the statement is never cut. Once the deadline has come, it cancels ``waited``."""
+    the statement is never cut. Once the deadline has come (the keeper sets ``expired``, then
+    cancels the task), it cancels ``waited``."""
 
-    __slots__ = ("_asyncio_future_blocking", "add_done_callback", "deadline", "get_loop",
-                 "waited")  # fmt: skip
-
-    def __init__(self, deadline: Deadline) -> None:
-        self.deadline = deadline
+    __slots__ = ("_asyncio_future_blocking", "add_done_callback", "get_loop", "waited")
 
     def on(self, waited: Any) -> _Hold:
         self.waited = waited
@@ -372,10 +393,67 @@ class _Hold:
         return self
 
     def cancel(self, msg: Any = None) -> bool:
-        if self.deadline.expired:
+        if self.expired:
             return bool(self.waited.cancel(msg))
         return False  # held back: the task is cancelled once ``waited`` is done
 
     def __await__(self) -> Generator[Any, None, None]:
         self._asyncio_future_blocking = True
         yield self
+
+
+class Mutex:
+    """One primitive at a time, first come, first served: :class:`asyncio.Lock`'s rules, with
+    :meth:`take`, which takes it free of charge (no coroutine) when it is free and nobody
+    waits — every time but under contention."""
+
+    __slots__ = ("_locked", "_waiters")
+
+    def __init__(self) -> None:
+        self._locked = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._locked
+
+    def take(self) -> bool:
+        """Take it if it is free and nobody waits for it; whether it was taken."""
+        if self._locked or self._waiters:
+            return False
+        self._locked = True
+        return True
+
+    async def acquire(self) -> bool:
+        if self.take():
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        except asyncio.CancelledError:
+            if not self._locked:  # woken, then cancelled: the next one's turn
+                self._wake_first()
+            raise
+        self._locked = True
+        return True
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if not self._locked:
+            raise RuntimeError("Mutex released while not held")
+        self._locked = False
+        self._wake_first()
+
+    def _wake_first(self) -> None:
+        if self._waiters:
+            first = self._waiters[0]
+            if not first.done():
+                first.set_result(None)
