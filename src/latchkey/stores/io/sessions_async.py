@@ -28,7 +28,7 @@ from typing import Any, ClassVar, TypeVar
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, bounded
-from latchkey.stores.io.deadlines import Deadline
+from latchkey.stores.io.deadlines import Deadline, keeper
 from latchkey.stores.io.sessions import IDLE_SPARES, held_keys
 from latchkey.stores.sessionlocks import (
     WAIT,
@@ -181,12 +181,14 @@ class AsyncSessionDriver(AsyncDriver):
         the task) one more turn per wait; the hold none."""
         if sys.version_info < (3, 11):  # pragma: no cover - no Task.uncancel: the task way
             return await self.shielded(bounded(coro, seconds))
-        with _Hold(seconds) as hold:
+        hold = _Hold(seconds)
+        try:
             while True:
                 try:
                     waited = coro.send(None)
                 except StopIteration as stop:
-                    return stop.value
+                    result: T = stop.value
+                    break
                 if waited is None:  # a bare yield (sleep(0)): give the loop a turn
                     try:
                         await asyncio.sleep(0)
@@ -198,14 +200,24 @@ class AsyncSessionDriver(AsyncDriver):
                 # Taken over, as a task would: the flag is the protocol by which a Task knows
                 # a yielded future (asyncio.futures.isfuture), set by Future.__await__.
                 waited._asyncio_future_blocking = False
+                if hold.keeper is None:  # the first wait: the deadline starts
+                    hold.start(waited)
+                hold.waited = waited
+                hold.add_done_callback = waited.add_done_callback  # what the task calls
                 try:
-                    await hold.on(waited)
+                    await hold
                 except asyncio.CancelledError:
                     # ``waited`` is done: cancelled by the deadline (``coro`` unwinds at the
                     # next send), or the caller's cancellation, held back until the end.
                     if not hold.expired:
                         self.deferred = True
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+        except BaseException as exc:
+            if hold.keeper is not None:
+                hold.__exit__(type(exc), exc, exc.__traceback__)  # TimeoutError if the deadline's
+            raise
+        if hold.keeper is not None:
+            hold.__exit__(None, None, None)
+        return result
 
     async def _relock(self) -> None:
         """Take the mutex back after a wait, whatever happens (a cancellation is held back)."""
@@ -382,15 +394,29 @@ class _Hold(Deadline):
     That cancel is refused while the deadline has not come: asyncio's Task then remembers it
     and throws CancelledError in at its next step, which comes when ``waited`` is done, so
     the statement is never cut. Once the deadline has come (the keeper sets ``expired``, then
-    cancels the task), it cancels ``waited``."""
+    cancels the task), it cancels ``waited``.
 
-    __slots__ = ("_asyncio_future_blocking", "add_done_callback", "get_loop", "waited")
+    The deadline starts at the statement's first wait (:meth:`start`), from that future's
+    loop: a statement that never waits registers nothing, and none asks for the running loop
+    (on Python 3.11 ``asyncio.get_running_loop`` makes a getpid system call)."""
 
-    def on(self, waited: Any) -> _Hold:
-        self.waited = waited
-        self.add_done_callback = waited.add_done_callback  # what the task calls
-        self.get_loop = waited.get_loop
-        return self
+    __slots__ = ("_asyncio_future_blocking", "_loop", "add_done_callback", "waited")
+    waited: Any
+
+    def __init__(self, seconds: float) -> None:  # (Deadline's, and not started)
+        self.seconds = seconds
+        self.expired = False
+        self.keeper = None  # type: ignore[assignment]
+
+    def start(self, waited: Any) -> None:
+        """:meth:`Deadline.__enter__`, from the loop of ``waited``."""
+        # The task asks a future-like for its loop: ``_loop`` (no get_loop, no call).
+        loop = self._loop = waited.get_loop()
+        task = self.task = asyncio.current_task(loop)  # type: ignore[assignment]
+        self.deadline = loop.time() + self.seconds
+        self.cancelling = task.cancelling()  # type: ignore[union-attr]
+        self.keeper = keeper(loop)
+        self.keeper.add(self)
 
     def cancel(self, msg: Any = None) -> bool:
         if self.expired:
