@@ -121,8 +121,10 @@ class AsyncSessionDriver(AsyncDriver):
 
     async def run(self, steps: Steps[T], action: str) -> T:
         mutex = self.mutex
-        if not mutex.take():
+        if mutex._locked or mutex._waiters:  # (Mutex.take, inline)
             await mutex.acquire()  # (cancelled while waiting for it: nothing was started)
+        else:
+            mutex._locked = True
         try:
             self.deferred = False
             try:
@@ -151,7 +153,9 @@ class AsyncSessionDriver(AsyncDriver):
                 raise asyncio.CancelledError  # held back until the primitive was done
             return result
         finally:
-            mutex.release()
+            mutex._locked = False  # (Mutex.release, inline)
+            if mutex._waiters:
+                mutex._wake_first()
 
     async def shielded(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` to its end even if the caller is cancelled meanwhile: the cancellation
