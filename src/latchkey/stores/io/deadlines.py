@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Awaitable
 from types import TracebackType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
 D = TypeVar("D", bound="Deadline")
@@ -35,21 +35,30 @@ D = TypeVar("D", bound="Deadline")
 _EARLY = time.get_clock_info("monotonic").resolution
 
 
+class Due(Protocol):
+    """What a keeper holds: a deadline (loop time) and what to do when it comes."""
+
+    deadline: float
+
+    def expire(self) -> None: ...
+
+
 class Keeper:
     """The bounded calls in progress on one event loop, and the one timer for the earliest."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.calls: dict[Deadline, None] = {}
+        self.calls: dict[Due, None] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.at = math.inf  # when the timer fires (inf: not armed)
 
-    def add(self, call: Deadline) -> None:
+    def add(self, call: Due) -> None:
         self.calls[call] = None
         if call.deadline < self.at:
-            self._arm(call.deadline)
+            self.arm(call.deadline)
 
-    def _arm(self, at: float) -> None:
+    def arm(self, at: float) -> None:
+        """Fire at ``at`` (earlier than :attr:`at`)."""
         if self.timer is not None:
             self.timer.cancel()
         self.at = at
@@ -62,12 +71,11 @@ class Keeper:
         for call in list(self.calls):
             if call.deadline <= now:
                 del self.calls[call]
-                call.expired = True
-                call.task.cancel()
+                call.expire()
             elif call.deadline < earliest:
                 earliest = call.deadline
         if earliest < math.inf:
-            self._arm(earliest)
+            self.arm(earliest)
 
 
 _keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Keeper] = (
@@ -99,6 +107,11 @@ class Deadline:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self.expired = False  # the keeper cancelled the task for it (not yet uncancelled)
+
+    def expire(self) -> None:
+        """The deadline came (the keeper took this entry out): cancel the task."""
+        self.expired = True
+        self.task.cancel()
 
     def __enter__(self: D) -> D:
         loop = asyncio.get_running_loop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import sys
 from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any, ClassVar, TypeVar
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, bounded
-from latchkey.stores.io.deadlines import Deadline, keeper
+from latchkey.stores.io.deadlines import keeper
 from latchkey.stores.io.sessions import IDLE_SPARES, held_keys
 from latchkey.stores.sessionlocks import (
     WAIT,
@@ -72,6 +73,7 @@ class AsyncSessionDriver(AsyncDriver):
         self.turns = asyncio.Semaphore(store.MAX_WAITS)
         self._turn_of: set[Any] = set()  # spares that hold a turn to wait
         self.deferred = False  # a cancellation held back until the primitive is done
+        self._hold: _Hold | None = None  # held()'s, reused
 
     # -- the driver's part -----------------------------------------------------------------------
 
@@ -185,7 +187,7 @@ class AsyncSessionDriver(AsyncDriver):
         the task) one more turn per wait; the hold none."""
         if sys.version_info < (3, 11):  # pragma: no cover - no Task.uncancel: the task way
             return await self.shielded(bounded(coro, seconds))
-        hold = _Hold(seconds)
+        hold: _Hold | None = None
         try:
             while True:
                 try:
@@ -197,15 +199,21 @@ class AsyncSessionDriver(AsyncDriver):
                     try:
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
-                        if hold.expired:
-                            coro.throw(asyncio.CancelledError())
-                        self.deferred = True
+                        self.deferred = True  # the caller's (a deadline cancels no task)
                     continue
                 # Taken over, as a task would: the flag is the protocol by which a Task knows
                 # a yielded future (asyncio.futures.isfuture), set by Future.__await__.
                 waited._asyncio_future_blocking = False
-                if hold.keeper is None:  # the first wait: the deadline starts
-                    hold.start(waited)
+                if hold is None:  # the first wait: the deadline starts
+                    hold = self._hold
+                    loop = waited.get_loop()
+                    if hold is None or hold.busy or hold._loop is not loop:
+                        hold = _Hold(loop)
+                        if self._hold is None or not self._hold.busy:
+                            self._hold = hold
+                    hold.start(loop.time() + seconds)
+                elif hold.expired:  # it came during a bare yield
+                    waited.cancel()
                 hold.waited = waited
                 hold.add_done_callback = waited.add_done_callback  # what the task calls
                 try:
@@ -216,11 +224,14 @@ class AsyncSessionDriver(AsyncDriver):
                     if not hold.expired:
                         self.deferred = True
         except BaseException as exc:
-            if hold.keeper is not None:
-                hold.__exit__(type(exc), exc, exc.__traceback__)  # TimeoutError if the deadline's
+            if hold is not None:
+                hold.end()
+                cut = hold.expired and isinstance(exc, asyncio.CancelledError)
+                if cut and not (hold.refused or self.deferred):  # by the deadline alone
+                    raise TimeoutError(f"no answer within {seconds:g}s") from exc
             raise
-        if hold.keeper is not None:
-            hold.__exit__(None, None, None)
+        if hold is not None:
+            hold.end()
         return result
 
     async def _relock(self) -> None:
@@ -389,7 +400,7 @@ class AsyncSessionDriver(AsyncDriver):
                 await self.let_go(session, keys.get(session, []))
 
 
-class _Hold(Deadline):
+class _Hold:
     """The deadline of a statement in :meth:`AsyncSessionDriver.held`, and what the caller's
     task waits on while the statement waits for ``waited``: future-like to the task, which
     registers its wake-up straight on ``waited`` (no turn of the loop in between) and calls
@@ -397,32 +408,46 @@ class _Hold(Deadline):
 
     That cancel is refused while the deadline has not come: asyncio's Task then remembers it
     and throws CancelledError in at its next step, which comes when ``waited`` is done, so
-    the statement is never cut. Once the deadline has come (the keeper sets ``expired``, then
-    cancels the task), it cancels ``waited``.
+    the statement is never cut. The deadline, once come, cancels ``waited`` itself
+    (:meth:`expire`, called by the loop's :class:`~latchkey.stores.io.deadlines.Keeper`):
+    the statement unwinds as if cancelled, and ``held`` makes that a TimeoutError; the task
+    is never cancelled for it.
 
-    The deadline starts at the statement's first wait (:meth:`start`), from that future's
-    loop: a statement that never waits registers nothing, and none asks for the running loop
-    (on Python 3.11 ``asyncio.get_running_loop`` makes a getpid system call)."""
+    One per driver, reused statement after statement (:meth:`start`, :meth:`end`: an entry
+    in the keeper, no object, no ``current_task``); the deadline starts at the statement's
+    first wait, from that future's loop (on Python 3.11 ``asyncio.get_running_loop`` makes a
+    getpid system call)."""
 
-    __slots__ = ("_asyncio_future_blocking", "_loop", "add_done_callback", "waited")
-    waited: Any
+    __slots__ = ("_asyncio_future_blocking", "_loop", "add_done_callback", "busy", "calls",
+                 "deadline", "expired", "keeper", "refused", "waited")  # fmt: skip
 
-    def __init__(self, seconds: float) -> None:  # (Deadline's, and not started)
-        self.seconds = seconds
-        self.expired = False
-        self.keeper = None  # type: ignore[assignment]
-
-    def start(self, waited: Any) -> None:
-        """:meth:`Deadline.__enter__`, from the loop of ``waited``."""
-        # The task asks a future-like for its loop: ``_loop`` (no get_loop, no call).
-        loop = self._loop = waited.get_loop()
-        task = self.task = asyncio.current_task(loop)  # type: ignore[assignment]
-        self.deadline = loop.time() + self.seconds
-        self.cancelling = task.cancelling()  # type: ignore[union-attr]
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop  # the task asks a future-like for its loop: _loop, no get_loop()
         self.keeper = keeper(loop)
-        self.keeper.add(self)
+        self.calls = self.keeper.calls
+        self.busy = self.expired = self.refused = False
+        self.deadline = math.inf
+        self.waited: Any = None
+
+    def start(self, deadline: float) -> None:
+        self.busy, self.expired, self.refused, self.deadline = True, False, False, deadline
+        self.calls[self] = None
+        if deadline < self.keeper.at:
+            self.keeper.arm(deadline)
+
+    def end(self) -> None:
+        self.calls.pop(self, None)
+        self.busy, self.waited = False, None
+
+    def expire(self) -> None:
+        """The deadline came (the keeper no longer holds this entry): cut the statement."""
+        self.expired = True
+        if self.waited is not None:
+            self.waited.cancel()
 
     def cancel(self, msg: Any = None) -> bool:
+        """The caller's cancellation (a task's, on its ``_fut_waiter``)."""
+        self.refused = True
         if self.expired:
             return bool(self.waited.cancel(msg))
         return False  # held back: the task is cancelled once ``waited`` is done
