@@ -15,6 +15,10 @@ costs a dict insert and a pop; the timer fires about once per timeout while call
 On expiry the task is cancelled as ``asyncio.timeout`` cancels it, and :func:`bounded` turns
 that cancellation into ``TimeoutError`` unless the task was also cancelled by someone else
 (``Task.uncancel`` counts: a caller's own cancellation passes through untouched).
+
+A keeper's entries are anything with a ``deadline`` and an ``expire()`` (:class:`Due`): a
+:class:`Deadline` cancels its task; the session-lock driver's hold
+(:mod:`latchkey.stores.io.sessions_async`) cancels the statement's future instead.
 """
 
 from __future__ import annotations

@@ -219,9 +219,10 @@ class AsyncSessionDriver(AsyncDriver):
                 try:
                     await hold
                 except asyncio.CancelledError:
-                    # ``waited`` is done: cancelled by the deadline (``coro`` unwinds at the
-                    # next send), or the caller's cancellation, held back until the end.
-                    if not hold.expired:
+                    # ``waited`` is done. Cancelled: by the deadline (``coro`` unwinds at the
+                    # next send; the caller's too if it refused one). Otherwise this is the
+                    # caller's cancellation, held back until the end.
+                    if hold.refused or not waited.cancelled():
                         self.deferred = True
         except BaseException as exc:
             if hold is not None:
