@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -156,3 +157,80 @@ def test_the_timeout_error_says_how_long_it_waited() -> None:
         return "not timed out"
 
     assert asyncio.run(main()) == "no answer within 0.05s"
+
+
+# -- the session-lock driver's hold (AsyncSessionDriver.held): a statement on a shared session
+# is never cut by its caller's cancellation (held back until it ends), only by its deadline.
+
+
+class _Driver:
+    """What held() reads and writes of its driver."""
+
+    def __init__(self) -> None:
+        from latchkey.stores.io.sessions_async import AsyncSessionDriver
+
+        self.held = AsyncSessionDriver.held.__get__(self)
+        self.deferred = False
+        self._hold = None
+
+
+def _statement(answer: asyncio.Future[str], log: list[str]) -> Any:
+    async def statement() -> str:
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            log.append("cut")
+            raise
+
+    return statement()
+
+
+def test_a_held_statement_outlives_its_callers_cancellation() -> None:
+    async def main() -> tuple[str, bool, list[str], int]:
+        loop, driver, log = asyncio.get_running_loop(), _Driver(), []
+        answer: asyncio.Future[str] = loop.create_future()
+        task = asyncio.ensure_future(driver.held(_statement(answer, log), 5))
+        await asyncio.sleep(0.01)
+        task.cancel()  # refused: the statement goes on
+        await asyncio.sleep(0.01)
+        assert not task.done()
+        answer.set_result("granted")
+        value = await task
+        return value, driver.deferred, log, len(keeper(loop).calls)
+
+    assert asyncio.run(main()) == ("granted", True, [], 0)
+
+
+def test_a_held_statement_past_its_deadline_is_cut_and_a_timeout() -> None:
+    async def main() -> tuple[float, list[str], int, bool]:
+        loop, driver, log = asyncio.get_running_loop(), _Driver(), []
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await driver.held(_statement(loop.create_future(), log), 0.2)
+        took = time.monotonic() - started
+        task = asyncio.current_task()
+        assert task is not None
+        return took, log, len(keeper(loop).calls), task.cancelling() == 0
+
+    took, log, left, uncancelled = asyncio.run(main())
+    assert 0.19 <= took < 1.0
+    assert (log, left, uncancelled) == (["cut"], 0, True)
+
+
+def test_a_held_statement_cut_by_its_deadline_after_a_cancel_is_a_cancellation() -> None:
+    """The caller cancelled, then the deadline cut the statement: the caller's cancellation
+    (not a TimeoutError) comes out, at the deadline."""
+
+    async def main() -> tuple[float, list[str]]:
+        loop, driver, log = asyncio.get_running_loop(), _Driver(), []
+        started = time.monotonic()
+        task = asyncio.ensure_future(driver.held(_statement(loop.create_future(), log), 0.2))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started, log
+
+    took, log = asyncio.run(main())
+    assert 0.19 <= took < 1.0
+    assert log == ["cut"]

@@ -15,6 +15,10 @@ costs a dict insert and a pop; the timer fires about once per timeout while call
 On expiry the task is cancelled as ``asyncio.timeout`` cancels it, and :func:`bounded` turns
 that cancellation into ``TimeoutError`` unless the task was also cancelled by someone else
 (``Task.uncancel`` counts: a caller's own cancellation passes through untouched).
+
+A keeper's entries are anything with a ``deadline`` and an ``expire()`` (:class:`Due`): a
+:class:`Deadline` cancels its task; the session-lock driver's hold
+(:mod:`latchkey.stores.io.sessions_async`) cancels the statement's future instead.
 """
 
 from __future__ import annotations
@@ -25,13 +29,22 @@ import time
 import weakref
 from collections.abc import Awaitable
 from types import TracebackType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
+D = TypeVar("D", bound="Deadline")
 
 #: A timer may fire this much before its time (the loop runs timers due within its clock's
 #: resolution): a deadline this close counts as come.
 _EARLY = time.get_clock_info("monotonic").resolution
+
+
+class Due(Protocol):
+    """What a keeper holds: a deadline (loop time) and what to do when it comes."""
+
+    deadline: float
+
+    def expire(self) -> None: ...
 
 
 class Keeper:
@@ -39,16 +52,17 @@ class Keeper:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.calls: dict[Deadline, None] = {}
+        self.calls: dict[Due, None] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.at = math.inf  # when the timer fires (inf: not armed)
 
-    def add(self, call: Deadline) -> None:
+    def add(self, call: Due) -> None:
         self.calls[call] = None
         if call.deadline < self.at:
-            self._arm(call.deadline)
+            self.arm(call.deadline)
 
-    def _arm(self, at: float) -> None:
+    def arm(self, at: float) -> None:
+        """Fire at ``at`` (earlier than :attr:`at`)."""
         if self.timer is not None:
             self.timer.cancel()
         self.at = at
@@ -61,12 +75,11 @@ class Keeper:
         for call in list(self.calls):
             if call.deadline <= now:
                 del self.calls[call]
-                call.expired = True
-                call.task.cancel()
+                call.expire()
             elif call.deadline < earliest:
                 earliest = call.deadline
         if earliest < math.inf:
-            self._arm(earliest)
+            self.arm(earliest)
 
 
 _keepers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Keeper] = (
@@ -99,7 +112,12 @@ class Deadline:
         self.seconds = seconds
         self.expired = False  # the keeper cancelled the task for it (not yet uncancelled)
 
-    def __enter__(self) -> Deadline:
+    def expire(self) -> None:
+        """The deadline came (the keeper took this entry out): cancel the task."""
+        self.expired = True
+        self.task.cancel()
+
+    def __enter__(self: D) -> D:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task(loop)
         if task is None:  # pragma: no cover - a coroutine always runs in a task here

@@ -19,16 +19,17 @@ flavour: given back once they hold nothing, discarded when they failed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import functools
+import math
 import sys
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any, ClassVar, TypeVar
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, adrive, bounded
-from latchkey.stores.io.deadlines import Deadline
+from latchkey.stores.io.aio import AsyncDriver, bounded
+from latchkey.stores.io.deadlines import keeper
 from latchkey.stores.io.sessions import IDLE_SPARES, held_keys
 from latchkey.stores.sessionlocks import (
     WAIT,
@@ -64,7 +65,7 @@ class AsyncSessionDriver(AsyncDriver):
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
         self.timeout: float = backend.timeout
-        self.mutex = asyncio.Lock()
+        self.mutex = Mutex()
         self.main: Any = None
         self.idle: list[Any] = []
         self.spares: set[Any] = set()
@@ -72,6 +73,7 @@ class AsyncSessionDriver(AsyncDriver):
         self.turns = asyncio.Semaphore(store.MAX_WAITS)
         self._turn_of: set[Any] = set()  # spares that hold a turn to wait
         self.deferred = False  # a cancellation held back until the primitive is done
+        self._hold: _Hold | None = None  # held()'s, reused
 
     # -- the driver's part -----------------------------------------------------------------------
 
@@ -86,6 +88,10 @@ class AsyncSessionDriver(AsyncDriver):
 
     async def hung_up(self, session: Any) -> bool:
         raise NotImplementedError
+
+    def fresh(self, session: Any) -> bool:
+        """Whether ``session`` was used so recently that :meth:`hung_up` need not be asked."""
+        return False
 
     def usable(self, session: Any, exc: BaseException) -> bool:
         """After ``exc`` (a driver error, not a timeout): whether the session is still usable."""
@@ -116,10 +122,27 @@ class AsyncSessionDriver(AsyncDriver):
     # -- running primitives ----------------------------------------------------------------------
 
     async def run(self, steps: Steps[T], action: str) -> T:
-        async with self.mutex:  # (cancelled while waiting for it: nothing was started)
+        mutex = self.mutex
+        if mutex._locked or mutex._waiters:  # (Mutex.take, inline)
+            await mutex.acquire()  # (cancelled while waiting for it: nothing was started)
+        else:
+            mutex._locked = True
+        try:
             self.deferred = False
             try:
-                result = await adrive(steps, self.answer)
+                # adrive(steps, self.answer), written out here: one coroutine less a primitive
+                value: Any = None
+                error: BaseException | None = None
+                while True:
+                    try:
+                        request = steps.send(value) if error is None else steps.throw(error)
+                    except StopIteration as stop:
+                        result: T = stop.value
+                        break
+                    try:
+                        value, error = await self.answer(request), None
+                    except BaseException as exc:  # thrown into the store's generator
+                        value, error = None, exc
             except StoreUnavailable:
                 raise
             except self.errors as exc:
@@ -131,6 +154,10 @@ class AsyncSessionDriver(AsyncDriver):
             if deferred:
                 raise asyncio.CancelledError  # held back until the primitive was done
             return result
+        finally:
+            mutex._locked = False  # (Mutex.release, inline)
+            if mutex._waiters:
+                mutex._wake_first()
 
     async def shielded(self, aw: Awaitable[T]) -> T:
         """Await ``aw`` to its end even if the caller is cancelled meanwhile: the cancellation
@@ -147,46 +174,66 @@ class AsyncSessionDriver(AsyncDriver):
 
     async def held(self, coro: Coroutine[Any, Any, T], seconds: float) -> T:
         """:meth:`shielded` for a coroutine, within ``seconds``, without a task of its own:
-        ``coro`` is driven here, step by step, in the caller's task. What it waits for is
-        awaited through a stand-in future, so a cancellation of the caller cancels the
-        stand-in, not the statement's own future: it is held back until ``coro`` ends, as
-        :meth:`shielded` does. The deadline, on the other hand, cuts ``coro`` (its future is
-        cancelled, so it unwinds as a cancelled task would) and is ``TimeoutError``.
+        ``coro`` is driven here, step by step, in the caller's task. The caller's task waits
+        for what ``coro`` waits for through a :class:`_Hold`, which hands the task's wake-up
+        to that future and refuses the task's cancellation: the task is then cancelled when
+        the future is done, here, and the cancellation is held back until ``coro`` ends, as
+        :meth:`shielded` does. The deadline, on the other hand, cuts ``coro`` (the hold
+        cancels its future, so it unwinds as a cancelled task would) and is ``TimeoutError``.
 
         Why: a task per statement (``shielded``) costs its scheduling and two more turns of
         the loop for the shield's callbacks, ~45 µs of a ~190 µs asyncio GET_LOCK pair on
-        the development VM; the stand-in costs one turn per wait."""
+        the development VM; a stand-in future (woken by the statement's future, then waking
+        the task) one more turn per wait; the hold none."""
         if sys.version_info < (3, 11):  # pragma: no cover - no Task.uncancel: the task way
             return await self.shielded(bounded(coro, seconds))
-        loop = asyncio.get_running_loop()
-        with Deadline(seconds) as deadline:
+        hold: _Hold | None = None
+        try:
             while True:
                 try:
                     waited = coro.send(None)
                 except StopIteration as stop:
-                    return stop.value
+                    result: T = stop.value
+                    break
                 if waited is None:  # a bare yield (sleep(0)): give the loop a turn
                     try:
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
-                        if deadline.expired:
-                            coro.throw(asyncio.CancelledError())
-                        self.deferred = True
+                        self.deferred = True  # the caller's (a deadline cancels no task)
                     continue
                 # Taken over, as a task would: the flag is the protocol by which a Task knows
                 # a yielded future (asyncio.futures.isfuture), set by Future.__await__.
                 waited._asyncio_future_blocking = False
-                while not waited.done():
-                    stand_in = loop.create_future()
-                    waited.add_done_callback(functools.partial(_settle, stand_in))
-                    try:
-                        await stand_in
-                    except asyncio.CancelledError:
-                        if deadline.expired:  # cut the statement: it unwinds, cancelled
-                            waited.cancel()
-                            break
-                        self.deferred = True  # the caller's: held back until the end
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+                if hold is None:  # the first wait: the deadline starts
+                    hold = self._hold
+                    loop = waited.get_loop()
+                    if hold is None or hold.busy or hold._loop is not loop:
+                        hold = _Hold(loop)
+                        if self._hold is None or not self._hold.busy:
+                            self._hold = hold
+                    hold.start(loop.time() + seconds)
+                elif hold.expired:  # it came during a bare yield
+                    waited.cancel()
+                hold.waited = waited
+                hold.add_done_callback = waited.add_done_callback  # what the task calls
+                try:
+                    await hold
+                except asyncio.CancelledError:
+                    # ``waited`` is done. Cancelled: by the deadline (``coro`` unwinds at the
+                    # next send; the caller's too if it refused one). Otherwise this is the
+                    # caller's cancellation, held back until the end.
+                    if hold.refused or not waited.cancelled():
+                        self.deferred = True
+        except BaseException as exc:
+            if hold is not None:
+                hold.end()
+                cut = hold.expired and isinstance(exc, asyncio.CancelledError)
+                if cut and not (hold.refused or self.deferred):  # by the deadline alone
+                    raise TimeoutError(f"no answer within {seconds:g}s") from exc
+            raise
+        if hold is not None:
+            hold.end()
+        return result
 
     async def _relock(self) -> None:
         """Take the mutex back after a wait, whatever happens (a cancellation is held back)."""
@@ -205,7 +252,9 @@ class AsyncSessionDriver(AsyncDriver):
         if kind is Run:
             statement, params, session = request
             if session is None:
-                session = await self._main()
+                session = self.main
+                if session is None or not self.fresh(session):
+                    session = await self._main()
             elif session.closed:
                 raise SessionEnded("the session holding the lock has ended")
             if statement.answer == WAIT:
@@ -352,6 +401,115 @@ class AsyncSessionDriver(AsyncDriver):
                 await self.let_go(session, keys.get(session, []))
 
 
-def _settle(stand_in: asyncio.Future[None], waited: asyncio.Future[Any]) -> None:
-    if not stand_in.done():
-        stand_in.set_result(None)
+class _Hold:
+    """The deadline of a statement in :meth:`AsyncSessionDriver.held`, and what the caller's
+    task waits on while the statement waits for ``waited``: future-like to the task, which
+    registers its wake-up straight on ``waited`` (no turn of the loop in between) and calls
+    :meth:`cancel` to cancel it.
+
+    That cancel is refused while the deadline has not come: asyncio's Task then remembers it
+    and throws CancelledError in at its next step, which comes when ``waited`` is done, so
+    the statement is never cut. The deadline, once come, cancels ``waited`` itself
+    (:meth:`expire`, called by the loop's :class:`~latchkey.stores.io.deadlines.Keeper`):
+    the statement unwinds as if cancelled, and ``held`` makes that a TimeoutError; the task
+    is never cancelled for it.
+
+    One per driver, reused statement after statement (:meth:`start`, :meth:`end`: an entry
+    in the keeper, no object, no ``current_task``); the deadline starts at the statement's
+    first wait, from that future's loop (on Python 3.11 ``asyncio.get_running_loop`` makes a
+    getpid system call)."""
+
+    __slots__ = ("_asyncio_future_blocking", "_loop", "add_done_callback", "busy", "calls",
+                 "deadline", "expired", "keeper", "refused", "waited")  # fmt: skip
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop  # the task asks a future-like for its loop: _loop, no get_loop()
+        self.keeper = keeper(loop)
+        self.calls = self.keeper.calls
+        self.busy = self.expired = self.refused = False
+        self.deadline = math.inf
+        self.waited: Any = None
+
+    def start(self, deadline: float) -> None:
+        self.busy, self.expired, self.refused, self.deadline = True, False, False, deadline
+        self.calls[self] = None
+        if deadline < self.keeper.at:
+            self.keeper.arm(deadline)
+
+    def end(self) -> None:
+        self.calls.pop(self, None)
+        self.busy, self.waited = False, None
+
+    def expire(self) -> None:
+        """The deadline came (the keeper no longer holds this entry): cut the statement."""
+        self.expired = True
+        if self.waited is not None:
+            self.waited.cancel()
+
+    def cancel(self, msg: Any = None) -> bool:
+        """The caller's cancellation (a task's, on its ``_fut_waiter``)."""
+        self.refused = True
+        if self.expired:
+            return bool(self.waited.cancel(msg))
+        return False  # held back: the task is cancelled once ``waited`` is done
+
+    def __await__(self) -> Generator[Any, None, None]:
+        self._asyncio_future_blocking = True
+        yield self
+
+
+class Mutex:
+    """One primitive at a time, first come, first served: :class:`asyncio.Lock`'s rules, with
+    :meth:`take`, which takes it free of charge (no coroutine) when it is free and nobody
+    waits — every time but under contention."""
+
+    __slots__ = ("_locked", "_waiters")
+
+    def __init__(self) -> None:
+        self._locked = False
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._locked
+
+    def take(self) -> bool:
+        """Take it if it is free and nobody waits for it; whether it was taken."""
+        if self._locked or self._waiters:
+            return False
+        self._locked = True
+        return True
+
+    async def acquire(self) -> bool:
+        if self.take():
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        except asyncio.CancelledError:
+            if not self._locked:  # woken, then cancelled: the next one's turn
+                self._wake_first()
+            raise
+        self._locked = True
+        return True
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if not self._locked:
+            raise RuntimeError("Mutex released while not held")
+        self._locked = False
+        self._wake_first()
+
+    def _wake_first(self) -> None:
+        if self._waiters:
+            first = self._waiters[0]
+            if not first.done():
+                first.set_result(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import asyncmy
@@ -53,8 +54,11 @@ class AsyncmySessions(AsyncSessionDriver):
         conn = await bounded(asyncmy.connect(**self.args), self.timeout)
         return AsyncmySession(conn, spare)
 
-    async def execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
-        return await self.held(self._execute(session, statement, params), self.timeout)
+    def execute(
+        self, session: AsyncmySession, statement: Statement, params: Any
+    ) -> Coroutine[Any, Any, Any]:
+        # (held()'s coroutine itself, awaited by the caller: one coroutine less a statement)
+        return self.held(self._execute(session, statement, params), self.timeout)
 
     async def _execute(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
         cur = session.cur
@@ -73,6 +77,9 @@ class AsyncmySessions(AsyncSessionDriver):
 
     async def wait(self, session: AsyncmySession, statement: Statement, params: Any) -> Any:
         return await bounded(self._execute(session, statement, params), self.timeout + params[1])
+
+    def fresh(self, session: AsyncmySession) -> bool:
+        return time.monotonic() - session.used < IDLE_PING
 
     async def hung_up(self, session: AsyncmySession) -> bool:
         if time.monotonic() - session.used < IDLE_PING:

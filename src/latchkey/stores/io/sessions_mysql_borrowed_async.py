@@ -74,6 +74,9 @@ class AsyncBorrowedMySQLSessions(AsyncLending, AsyncmySessions):
         if session.conn.get_transaction_status():
             await session.conn.rollback()
 
+    def fresh(self, session: Any) -> bool:
+        return _open(session.conn) and time.monotonic() - session.used < IDLE_PING
+
     async def hung_up(self, session: Any) -> bool:
         if not _open(session.conn):
             return True
