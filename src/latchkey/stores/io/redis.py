@@ -259,7 +259,8 @@ class RedisDriver(Driver):
 
     def run(self, steps: Steps[T], action: str) -> T:
         """:meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in: one call
-        less per primitive, on the hot path of every acquire and release."""
+        less per primitive, on the hot path of every acquire and release. The Redis Cluster
+        driver runs its primitives with it too."""
         answer = self.answer
         try:
             request = steps.send(None)
@@ -274,7 +275,7 @@ class RedisDriver(Driver):
             return stop.value  # type: ignore[no-any-return]
         except StoreUnavailable:
             raise
-        except ERRORS as exc:
+        except self.errors as exc:  # (read only on an error: a subclass's own)
             self.backend.unavailable(exc, action)
 
     def answer(self, request: Any) -> Any:

@@ -60,20 +60,20 @@ import functools
 import inspect
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import Waiter
-from latchkey.stores.io import Driver, Steps, after_fork
+from latchkey.stores.io import Driver, after_fork
 from latchkey.stores.io.redis import (
     Connections,
     Listener,
     PushWaiter,
+    RedisDriver,
     pack,
     pack_script,
     tls_settings,
@@ -109,7 +109,6 @@ LOST: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutErr
 _ASK_FAILED_LAST = (
     "last_failed_node_name" in inspect.signature(redis.cluster.NodesManager.initialize).parameters
 )
-T = TypeVar("T")
 
 
 def borrowed_tls(store: RedisCluster, client: Any) -> dict[str, Any]:
@@ -224,25 +223,9 @@ class ClusterDriver(Driver):
                 client = self._client
         return client
 
-    def run(self, steps: Steps[T], action: str) -> T:
-        """:meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in, as the plain
-        Redis driver's: one call less per primitive."""
-        answer = self.answer
-        try:
-            request = steps.send(None)
-            while True:
-                try:
-                    value = answer(request)
-                except BaseException as exc:  # thrown into the store's generator
-                    request = steps.throw(exc)
-                else:
-                    request = steps.send(value)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-        except StoreUnavailable:
-            raise
-        except ERRORS as exc:
-            self.backend.unavailable(exc, action)
+    #: :meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in (one call less per
+    #: primitive), the plain Redis driver's; driver errors are :attr:`errors`, this driver's.
+    run = RedisDriver.run
 
     def answer(self, request: Any) -> Any:
         kind = type(request)
