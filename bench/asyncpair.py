@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""N uncontended acquire+release pairs of mysql+getlock, for counting what a pair costs:
+"""N uncontended acquire+release pairs of mysql+getlock or postgresql+advisory, for counting
+what a pair costs:
 
     bench/.venv/bin/python bench/asyncpair.py URL {sync,async,raw} N [--profile]
 
-URL is a ``mysql://`` URL of a running server (bench/servers.py or tests/servers start one).
+URL is a ``mysql://`` or ``postgresql://`` URL of a running server (bench/servers.py or
+tests/servers start one): ``mysql+getlock`` or ``postgresql+advisory`` is measured.
 ``sync``/``async``: latchkey's pair (one lock object per pair); ``raw``: asyncmy's
-``SELECT GET_LOCK(k, 0)`` + ``SELECT RELEASE_LOCK(k)`` on one connection. ``--profile``
+``SELECT GET_LOCK(k, 0)`` + ``SELECT RELEASE_LOCK(k)`` on one connection, or psycopg's
+``AsyncConnection.execute`` of ``pg_try_advisory_lock`` + ``pg_advisory_unlock`` (prepared,
+as bench/rawasync.py's F does). ``--profile``
 prints cProfile's function calls per pair (and the loop's turns, ``_run_once``). Under
 callgrind, run it with two N and divide the difference of the instruction counts by the
 difference of N (issue 12, run 15 in docs/benchmarks.md):
@@ -28,7 +32,12 @@ import latchkey
 def main() -> None:
     base, what, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     profile = "--profile" in sys.argv
-    url = base.replace("mysql://", "mysql+getlock://", 1)
+    pg = base.startswith("postgresql://")
+    url = (
+        base.replace("postgresql://", "postgresql+advisory://", 1)
+        if pg
+        else base.replace("mysql://", "mysql+getlock://", 1)
+    )
     profiler = cProfile.Profile()
 
     def report() -> None:
@@ -64,6 +73,19 @@ def main() -> None:
                 lock = astore.lock("pair", ttl=30, wait=5)
                 await lock.acquire()
                 await lock.release()
+
+        elif pg:
+            import psycopg
+
+            aconn = await psycopg.AsyncConnection.connect(base, autocommit=True)
+            lock_sql = "SELECT pg_try_advisory_lock(hashtextextended(%s, 0))"
+            unlock_sql = "SELECT pg_advisory_unlock(hashtextextended(%s, 0))"
+
+            async def pair() -> None:
+                cur = await aconn.execute(lock_sql, ("pair",), prepare=True)
+                await cur.fetchall()
+                cur = await aconn.execute(unlock_sql, ("pair",), prepare=True)
+                await cur.fetchall()
 
         else:
             from urllib.parse import urlsplit
