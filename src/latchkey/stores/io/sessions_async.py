@@ -100,6 +100,10 @@ class AsyncSessionDriver(AsyncDriver):
     async def disconnect(self, session: Any) -> None:
         raise NotImplementedError
 
+    def forget(self, session: Any) -> None:
+        """``session`` leaves this driver's hands (closed, given back, let go): undo what
+        :meth:`execute` keeps set up on it between statements (a watch on its socket)."""
+
     async def give_back(self, session: Any) -> None:
         """See :meth:`latchkey.stores.io.sessions.SessionDriver.give_back`."""
         await self.disconnect(session)
@@ -313,6 +317,7 @@ class AsyncSessionDriver(AsyncDriver):
             self.idle.remove(session)
         self._give_turn(session)
         self.store.session_ended(session)
+        self.forget(session)
         if not session.closed:
             session.closed = True
             await (self.give_back if holds_nothing else self.disconnect)(session)
@@ -398,6 +403,7 @@ class AsyncSessionDriver(AsyncDriver):
                     await self.interrupt(session)  # its task closes it
                     continue
                 session.closed = True
+                self.forget(session)
                 await self.let_go(session, keys.get(session, []))
 
 

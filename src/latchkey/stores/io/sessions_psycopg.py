@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 import psycopg
 
 from latchkey.stores.io.aio import bounded, cut_after
+from latchkey.stores.io.pgwatch import Watch
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     MARGIN,
@@ -51,13 +52,14 @@ T = TypeVar("T")
 
 
 class PgSession(Session):
-    __slots__ = ("cut", "poller", "prepared")
+    __slots__ = ("cut", "poller", "prepared", "watch")
 
     def __init__(self, conn: Any, spare: bool) -> None:
         super().__init__(conn, conn.pgconn.backend_pid, str(conn.info.server_version), spare)
         self.prepared: set[bytes] = set()  # names prepared on this connection
         self.cut = False  # the watchdog shut its socket down (the session is over)
         self.poller: Any = None
+        self.watch: Watch | None = None  # asyncio: its socket's watch (io/pgwatch.py)
         if hasattr(select, "poll"):  # (Windows: select() every time)
             self.poller = select.poll()
             self.poller.register(conn.pgconn.socket, select.POLLIN)
@@ -178,29 +180,40 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
         return PgSession(conn, spare)
 
     async def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
-        if statement.extra is None:
-            call = self._execute(session, statement, params)
-            return await self.shielded(cut_after(call, self.guard, session.conn.pgconn.socket))
-        # The hot path: libpq, with the loop watching the socket; a cancellation is held
-        # back right there (reply), without a task of its own.
-        pgconn = session.conn.pgconn
-        deadline = asyncio.get_running_loop().time() + self.guard
         name = statement.extra
-        for again in (True, False):
-            if name not in session.prepared:
-                pgconn.send_prepare(name, statement.text.encode())
-                prepared = await reply(pgconn, deadline, self)
-                if prepared.status != COMMAND_OK and not prepared_already(prepared):
-                    raise result_error(prepared)
-                session.prepared.add(name)
-            pgconn.send_query_prepared(name, params)
-            result = await reply(pgconn, deadline, self)
-            if result.status == TUPLES_OK:
-                return _yes(result)
-            if not (again and deallocated(result)):
-                break
-            session.prepared.discard(name)  # deallocated behind our back
-        raise result_error(result)
+        watch = session.watch
+        if name is None:
+            if watch is not None:
+                watch.unwatch()  # psycopg's own wait registers the socket itself
+            fd = session.conn.pgconn.socket  # (OperationalError once libpq let it go)
+            call = self._execute(session, statement, params)
+            return await self.shielded(cut_after(call, self.guard, fd))
+        # The hot path: libpq, the loop watching the socket (pgwatch.Watch); a cancellation
+        # is held back right there (reply), without a task of its own.
+        pgconn = session.conn.pgconn
+        if watch is None:
+            watch = session.watch = Watch(pgconn)
+        loop = asyncio.get_running_loop()
+        watch.watch(loop)
+        watch.start(loop.time() + self.guard)
+        try:
+            for again in (True, False):
+                if name not in session.prepared:
+                    pgconn.send_prepare(name, statement.text.encode())
+                    prepared = await reply(pgconn, watch, self)
+                    if prepared.status != COMMAND_OK and not prepared_already(prepared):
+                        raise result_error(prepared)
+                    session.prepared.add(name)
+                pgconn.send_query_prepared(name, params)
+                result = await reply(pgconn, watch, self)
+                if result.status == TUPLES_OK:
+                    return _yes(result)
+                if not (again and deallocated(result)):
+                    break
+                session.prepared.discard(name)  # deallocated behind our back
+            raise result_error(result)
+        finally:
+            watch.end()
 
     async def _execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
         cur = await session.conn.execute(statement.text, params, prepare=True)
@@ -210,10 +223,11 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
         return rows
 
     async def wait(self, session: PgSession, statement: Statement, params: Any) -> bool:
+        self.forget(session)
+        fd = session.conn.pgconn.socket
         try:
             await cut_after(session.conn.execute(statement.text, prepare=False),
-                            self.store.wait_cap_ms / 1000 + self.guard,
-                            session.conn.pgconn.socket)  # fmt: skip
+                            self.store.wait_cap_ms / 1000 + self.guard, fd)  # fmt: skip
         except psycopg.errors.LockNotAvailable:
             return False
         return True
@@ -221,10 +235,18 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
     async def hung_up(self, session: PgSession) -> bool:
         return hung_up(session)
 
+    def fresh(self, session: PgSession) -> bool:
+        return not hung_up(session)  # as cheap as asking (one poll), without a coroutine
+
     def usable(self, session: PgSession, exc: BaseException) -> bool:
         return usable(session)
 
+    def forget(self, session: PgSession) -> None:
+        if session.watch is not None:
+            session.watch.unwatch()
+
     async def disconnect(self, session: PgSession) -> None:
+        self.forget(session)
         with contextlib.suppress(*ERRORS):
             await session.conn.close()
 
@@ -234,21 +256,30 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
 
 
 async def reply(
-    pgconn: psycopg.pq.abc.PGconn, deadline: float, driver: AsyncSessionDriver
+    pgconn: psycopg.pq.abc.PGconn, watch: Watch, driver: AsyncSessionDriver
 ) -> psycopg.pq.abc.PGresult:
     """The result of the one statement just sent on ``pgconn`` (psycopg opens connections in
-    libpq's nonblocking mode): flushes it, then reads the whole reply, the event loop waking
-    us when the socket has something. A cancellation meanwhile is held back (``driver.
-    deferred``): the reply is read to its end. TimeoutError after ``deadline`` (loop time);
-    psycopg's OperationalError if the connection fails."""
-    loop = asyncio.get_running_loop()
-    fd = pgconn.socket
-    while pgconn.flush():  # only if the socket's buffer is full (never for our statements)
-        await _ready(loop, fd, loop.add_writer, loop.remove_writer, deadline, driver)
+    libpq's nonblocking mode): flushes it, then reads the whole reply, ``watch`` waking us when
+    the socket has something. A cancellation meanwhile is held back (``driver.deferred``): the
+    reply is read to its end. TimeoutError after the watch's deadline (CancelledError if a
+    cancellation was held back: the caller's comes first); psycopg's OperationalError if the
+    connection fails."""
+    if pgconn.flush():  # only if the socket's buffer is full (never for our statements)
+        loop = asyncio.get_running_loop()
+        while pgconn.flush():
+            await _ready(loop, pgconn.socket, watch.deadline, driver)
+        watch.watch(loop)  # (again if it let go meanwhile: see Watch._readable)
     last: psycopg.pq.abc.PGresult | None = None
     while True:
         while pgconn.is_busy():
-            await _ready(loop, fd, loop.add_reader, loop.remove_reader, deadline, driver)
+            if watch.expired:
+                if driver.deferred:
+                    raise asyncio.CancelledError
+                raise TimeoutError("no reply within the timeout")
+            try:
+                await watch
+            except asyncio.CancelledError:  # the caller's, now that the socket is readable
+                driver.deferred = True  # held back: the reply is read to its end
             pgconn.consume_input()
         result = pgconn.get_result()
         if result is None:  # the end of the reply: the connection is idle again
@@ -258,23 +289,21 @@ async def reply(
 
 
 async def _ready(
-    loop: asyncio.AbstractEventLoop, fd: int,
-    watch: Callable[..., None], unwatch: Callable[[int], object],
-    deadline: float, driver: AsyncSessionDriver,
-) -> None:  # fmt: skip
-    """Wait until ``fd`` is readable (or writable: ``watch`` says which)."""
+    loop: asyncio.AbstractEventLoop, fd: int, deadline: float, driver: AsyncSessionDriver
+) -> None:
+    """Wait until ``fd`` is writable."""
     while True:
         ready = loop.create_future()
-        watch(fd, _set, ready)
+        loop.add_writer(fd, _set, ready)
         timer = loop.call_at(deadline, _expire, ready)
         try:
             await ready
             return
         except asyncio.CancelledError:  # the caller's (the deadline is a TimeoutError)
-            driver.deferred = True  # held back: the reply is read to its end
+            driver.deferred = True  # held back: the statement is sent and read to its end
         finally:
             timer.cancel()
-            unwatch(fd)
+            loop.remove_writer(fd)
 
 
 def _set(ready: asyncio.Future[None]) -> None:
