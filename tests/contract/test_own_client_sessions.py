@@ -384,6 +384,37 @@ def test_a_single_mysql_connection_is_refused_naming_what_to_pass(server_pool: S
     asyncio.run(asyncio_connections())
 
 
+@pytest.mark.xdist_group("postgresql")
+def test_an_asyncio_advisory_connection_goes_back_to_the_pool_unwatched(
+    server_pool: ServerPool,
+) -> None:
+    """While latchkey has it, a lent connection's socket is watched by the event loop between
+    statements (``stores/io/pgwatch.py``); it lets go before the connection goes back, so the
+    application's psycopg finds the socket as it left it."""
+    base = _base(server_pool, "postgresql")
+
+    async def main() -> None:
+        pool = await _apg_pool(base, 1)  # one connection: the one lent is the one got back
+        try:
+            store = latchkey.connect_async(client=pool, locks="session", prefix=f"t{_tag()}:",
+                                           timeout="10s")  # fmt: skip
+            lock = store.lock("a", wait=0)
+            assert await lock.acquire()
+            assert await lock.release()  # no lock lives on it: given back
+            conn = await pool.getconn(10)
+            try:
+                assert not asyncio.get_running_loop().remove_reader(conn.pgconn.socket)
+                assert await (await conn.execute("SELECT 1")).fetchone() == (1,)
+            finally:
+                await pool.putconn(conn)
+            assert await lock.acquire() and await lock.release()  # and lent again
+            await store.aclose()
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
 # -- the application's settings, a server that stops answering ------------------------------
 
 

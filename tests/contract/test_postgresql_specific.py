@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import selectors
 import socket
 import subprocess
 import sys
@@ -1572,6 +1573,185 @@ def test_async_advisory_waits_in_the_server_are_capped_and_the_rest_wait_their_t
             assert sorted(taken) == list(range(count))
 
     asyncio.run(main())
+
+
+# -- asyncio advisory sessions: the loop watches a session's socket between statements
+# (io/pgwatch.py), and the waiting task is woken by the watch itself.
+
+
+def _counted_loop() -> tuple[asyncio.AbstractEventLoop, list[int]]:
+    """A loop whose turns are counted (each turn selects once), and the count."""
+    turns = [0]
+
+    class Counting(selectors.DefaultSelector):
+        def select(self, timeout: float | None = None) -> Any:
+            turns[0] += 1
+            return super().select(timeout)
+
+    return asyncio.SelectorEventLoop(Counting()), turns
+
+
+def test_async_advisory_statement_takes_one_turn_of_the_loop(pg_base: str) -> None:
+    """An uncontended acquire + release is two statements on the main session, and two turns
+    of the loop: the reply wakes the waiting task in the turn its socket is reported readable
+    (a future per wait, set by a reader callback, took a second turn per statement)."""
+    url = _url(pg_base, "postgresql+advisory")
+    loop, turns = _counted_loop()
+
+    async def main() -> int:
+        async with latchkey.connect_async(url) as store:
+            for _ in range(3):  # connected, statements prepared
+                lock = store.lock("n", ttl="60s", wait=0)
+                assert await lock.acquire() and await lock.release()
+            before = turns[0]
+            for _ in range(50):
+                lock = store.lock("n", ttl="60s", wait=0)
+                assert await lock.acquire()
+                assert await lock.release()
+            return turns[0] - before
+
+    try:
+        counted = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert counted <= 2 * 50 + 2, f"{counted} turns of the loop for 50 pairs"
+
+
+def test_async_advisory_cancelled_acquire_keeps_the_other_locks(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """A caller cancelled at any point of a quick acquire on the shared main session — before
+    its statement, while the task waits on the session's watch for the reply, after it: the
+    session (and the other locks in it) survives, and the cancelled owner holds nothing; one
+    done before the cancel came holds the lock, as any acquire that returned True.
+
+    The cancel comes after 0, 1, 2, … turns of the loop (then further apart), until the
+    acquire is done before it comes: every stage is tried, however many turns the reply
+    takes on this machine."""
+    url = _url(pg_base, "postgresql+advisory")
+
+    async def scenario(yields: int) -> bool:
+        """Whether the cancel cut the acquire (False: the acquire was done first)."""
+        name = f"async-cut-{yields}"
+        store = latchkey.connect_async(url)
+        backend: Any = store.backend
+        kept = store.lock(f"async-cut-kept-{yields}", ttl="60s", wait=0)
+        assert await kept.acquire() is True
+        main_pid = backend.io.main.id
+        lock = store.lock(name, ttl="60s", wait=0)
+        task = asyncio.ensure_future(lock.acquire())
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.inspect(name)  # after whatever the cancelled acquire left running
+        assert backend.io.main is not None and backend.io.main.id == main_pid
+        assert _holder_pid(sql, backend.store.key(kept.name)) == main_pid
+        cut = task.cancelled()
+        if cut:
+            assert _holder_pid(sql, backend.store.key(name)) is None
+        else:  # done before the cancel came: held, as any acquire that returned True
+            assert task.result() is True
+            assert _holder_pid(sql, backend.store.key(name)) == main_pid
+            assert await lock.release() is True
+        assert await kept.release() is True
+        await store.aclose()
+        return cut
+
+    cuts = []
+    steps = [*range(30), *(int(30 * 1.25**i) for i in range(1, 30))]
+    for yields in steps:
+        cuts.append(asyncio.run(scenario(yields)))
+        if not cuts[-1]:
+            break
+    assert not cuts[-1], "the acquire never finished before the cancel"
+    assert sum(cuts) >= 2  # cut before it began, and at least once on its way
+
+
+def test_async_advisory_cancelled_statement_cut_by_its_deadline_is_a_cancellation(
+    own_server: RunningServer,
+) -> None:
+    """The caller cancels while a quick statement waits for a frozen server's reply: the
+    statement is held to its end — here its deadline (timeout + 1 s), which ends the
+    session — and then the caller's CancelledError comes out, not StoreUnavailable (that
+    dropped the cancellation). After the thaw the store works on a new session."""
+    url = f"{own_server.url.replace('postgresql://', 'postgresql+advisory://')}?timeout=1"
+
+    async def main() -> float:
+        async with latchkey.connect_async(url) as store:
+            backend: Any = store.backend
+            assert await store.lock("warm", ttl="60s", wait=0).acquire()
+            first = backend.io.main.id
+            with own_server.frozen():
+                task = asyncio.ensure_future(store.lock("n", ttl="60s", wait=0).acquire())
+                await asyncio.sleep(0.1)
+                assert not task.done()
+                started = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                took = time.monotonic() - started
+            lock = store.lock("n", ttl="60s", wait="20s")  # (the ended session may hold it
+            assert await lock.acquire()  # until its server process has gone)
+            assert backend.io.main.id != first
+            assert await lock.release()
+            return took
+
+    took = asyncio.run(main())
+    assert took < 1 + 1 + 2, f"{took:.1f}s"
+
+
+def test_async_advisory_idle_session_ended_by_the_server_is_let_go_and_replaced(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """The server ends the main session while it sits idle, its socket watched by the loop:
+    the watch lets go of it (the goodbye is left for the idle check; watched, the loop would
+    report it at every turn), and the next acquire runs on a new session."""
+    url = _url(pg_base, "postgresql+advisory")
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store:
+            backend: Any = store.backend
+            lock = store.lock("n", ttl="60s", wait=0)
+            assert await lock.acquire() and await lock.release()
+            first = backend.io.main
+            watch = first.watch
+            assert watch.watching is asyncio.get_running_loop()
+            sql.execute("SELECT pg_terminate_backend(%s)", (first.id,))
+            deadline = time.monotonic() + 10
+            while watch.watching is not None:
+                assert time.monotonic() < deadline, "still watching an ended connection"
+                await asyncio.sleep(0.01)
+            assert await lock.acquire()
+            assert backend.io.main is not first and backend.io.main.id != first.id
+            assert await lock.release()
+
+    asyncio.run(main())
+
+
+def test_async_advisory_store_moves_to_the_running_loop(pg_base: str) -> None:
+    """One asyncio store used from one loop, then another (asyncio.run twice; two loops, one
+    still open): its session's socket is watched by the loop that runs the statement."""
+    url = _url(pg_base, "postgresql+advisory")
+    store = latchkey.connect_async(url)
+
+    async def pair(tag: str) -> str:
+        lock = store.lock("n", ttl="60s", wait=0)
+        assert await lock.acquire() and await lock.release()
+        return tag
+
+    assert asyncio.run(pair("first")) == "first"
+    assert asyncio.run(pair("second")) == "second"
+    loop, other = asyncio.new_event_loop(), asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(pair("third")) == "third"
+        assert other.run_until_complete(pair("fourth")) == "fourth"
+        assert loop.run_until_complete(pair("fifth")) == "fifth"
+        loop.run_until_complete(store.aclose())
+    finally:
+        loop.close()
+        other.close()
 
 
 @pytest.mark.parametrize("kind", ["postgresql", "postgresql+advisory"])

@@ -77,6 +77,11 @@ class Watch:
             loop.add_reader(self.fd, self._readable)
             self._loop, self.keeper = loop, keeper(loop)
 
+    @property
+    def watching(self) -> asyncio.AbstractEventLoop | None:
+        """The loop watching the socket now, if any."""
+        return self._loop
+
     def unwatch(self) -> None:
         """No longer watched (idempotent): something else is about to use the connection."""
         loop, self._loop = self._loop, None
