@@ -8,10 +8,11 @@ its ``lock_timeout``): by the watchdog (:mod:`latchkey.stores.io.watchdog`) in s
 the event loop in asyncio — a frozen server leaves neither hanging. Statements with a prepared
 name (``extra``) go to libpq directly (``psycopg.pq``): prepared once per connection, then one
 ``exec_prepared`` (sync) or ``send_query_prepared`` with the event loop watching the socket
-(asyncio): psycopg's ``execute`` builds a cursor, adapts every parameter and looks the query up
-in its cache at each call, ~35 µs of CPU per acquire+release pair, more than the rest of
-latchkey. If the statement disappeared (psycopg sends ``DEALLOCATE ALL`` after a ROLLBACK or
-DROP it ran) it is prepared again, once.
+(asyncio; it stays watched between statements, :mod:`latchkey.stores.io.pgwatch`, and is let
+go before psycopg's own calls and when the session leaves us): psycopg's ``execute`` builds a
+cursor, adapts every parameter and looks the query up in its cache at each call, ~35 µs of
+CPU per acquire+release pair, more than the rest of latchkey. If the statement disappeared
+(psycopg sends ``DEALLOCATE ALL`` after a ROLLBACK or DROP it ran) it is prepared again, once.
 
 An idle connection has nothing to read unless the server ended it (terminated the session,
 shut down, restarted): one ``poll()`` tells, no round trip.
