@@ -2,7 +2,8 @@
 """Seed 002: many daemon processes draining one events table (issue 13).
 
     bench/.venv/bin/python bench/eventqueue.py [--stores postgresql,mysql,sqlite]
-        [--subjects naive,for-update,take1,take10,lease10,lease10c,lease10cb] [--daemons 100]
+        [--subjects naive,for-update,take1,take10,lease10,lease10c,lease10cb,own1,own10]
+        [--daemons 100]
         [--sqlite-daemons 8]
         [--rows 3000] [--kill-fraction 0.1] [--rounds normal,kill] [--out results.json]
     bench/.venv/bin/python bench/eventqueue.py --report results.json   # reprint a saved run
@@ -36,6 +37,15 @@ Subjects (the raw ones use psycopg 3 and PyMySQL, the drivers latchkey uses; sql
 - ``lease10cb``: the same with one ``batch.complete(*rows)`` for the whole batch (one commit
   per ten rows, as take10; the batch's work commits together).
 
+Two floors, no claim at all (normal round only): daemon *i* of *n* owns the rows whose id is
+*i* modulo *n*, so nothing is contended and nothing is read to find work; what is left is the
+work's own cost at a given commit rate:
+
+- ``own1``: per row, ``BEGIN; UPDATE; record; COMMIT`` (the statements ``lease10`` runs per row,
+  without the lease): the most rows/s any scheme that commits every row can reach here
+  (``take1``, ``for-update``, ``lease10``, ``lease10c``).
+- ``own10``: the same with ten rows per transaction: the ceiling of ``take10`` and ``lease10cb``.
+
 The ``kill`` round (take and lease subjects) SIGKILLs about --kill-fraction of the daemons in the
 middle of a batch: a doomed daemon kills itself while handling its r-th row (r random in 1..15),
 after that row's UPDATE and record were sent and before they were committed.
@@ -68,7 +78,9 @@ for path in (str(HERE), str(HERE.parent)):
 import servers  # noqa: E402
 
 DASH = "\u2013"
-SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10", "lease10c", "lease10cb"]
+#: The floors (above) and their rows per transaction.
+FLOORS = {"own1": 1, "own10": 10}
+SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10", "lease10c", "lease10cb", *FLOORS]
 LATCHKEY_SUBJECTS = {"take1", "take10", "lease10", "lease10c", "lease10cb"}
 LEASE_SUBJECTS = {"lease10", "lease10c", "lease10cb"}
 STORES = ["postgresql", "mysql", "sqlite"]
@@ -248,6 +260,7 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
     due = f"SELECT id FROM {ev} WHERE processed_at IS NULL ORDER BY id LIMIT 1"
     deadline = time.monotonic() + DAEMON_SECONDS
     pid = os.getpid()
+    own = list(range(1 + index, cfg["rows"] + 1, cfg["daemons"]))  # the floors' share
     try:
         for _turn in range(DAEMON_TURNS):
             if time.monotonic() > deadline:
@@ -261,6 +274,26 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                 raw.run(update, (found[0][0],))
                 raw.run(record, (found[0][0], pid, None))
                 out["rows"] += 1
+                continue
+            if subject in FLOORS:
+                mine = own[: FLOORS[subject]]
+                del own[: FLOORS[subject]]
+                if not mine:
+                    out["status"] = "done"
+                    break
+                try:
+                    raw.begin(immediate=True)  # on SQLite as for-update; else a plain BEGIN
+                    for row_id in mine:
+                        raw.run(update, (row_id,))
+                        raw.run(record, (row_id, pid, None))
+                    raw.commit()
+                except Exception as exc:
+                    raw.rollback()
+                    own[:0] = mine
+                    note_error(exc)
+                    continue
+                out["rows"] += len(mine)
+                out["batches"] += 1
                 continue
             if subject == "for-update":
                 try:
@@ -378,7 +411,7 @@ def run_subject(
     results_dir.mkdir()
     cfg = {"store": store, "subject": subject, "tag": tag, "env": env, "db_path": db_path,
            "latchkey_url": latchkey_url(store, env, db_path, tag), "ttl": LEASE_TTL[round_],
-           "results_dir": str(results_dir)}  # fmt: skip
+           "results_dir": str(results_dir), "rows": args.rows, "daemons": daemons}  # fmt: skip
     cell: dict[str, Any] = {"store": store, "subject": subject, "round": round_, "rep": rep,
                             "daemons": daemons, "rows": args.rows}  # fmt: skip
     if subject in LEASE_SUBJECTS:
