@@ -6,6 +6,7 @@
         [--daemons 100]
         [--sqlite-daemons 8]
         [--rows 3000] [--kill-fraction 0.1] [--rounds normal,kill] [--out results.json]
+        [--pg-index composite|partial]
     bench/.venv/bin/python bench/eventqueue.py --report results.json   # reprint a saved run
 
 (Not ``bench/queue.py``: bench/ is first on sys.path here, and a module named ``queue`` would
@@ -161,7 +162,7 @@ def latchkey_url(store: str, env: dict[str, str], db_path: str, tag: str) -> str
     return f"{env[store]}?table=lk_{tag}"
 
 
-def create_tables(raw: Raw, tag: str, rows: int) -> None:
+def create_tables(raw: Raw, tag: str, rows: int, partial: bool = False) -> None:
     ev, pr = f"ev_{tag}", f"pr_{tag}"
     if raw.store == "postgresql":
         raw.run(f"CREATE TABLE {ev} (id integer PRIMARY KEY, payload text NOT NULL,"
@@ -178,8 +179,13 @@ def create_tables(raw: Raw, tag: str, rows: int) -> None:
                 " processed_at TEXT)")  # fmt: skip
         raw.run(f"CREATE TABLE {pr} (event_id INTEGER NOT NULL, pid INTEGER NOT NULL,"
                 " token INTEGER)")  # fmt: skip
-    # The index a queue table has: due rows in id order.
-    raw.run(f"CREATE INDEX {ev}_due ON {ev} (processed_at, id)")
+    # The index a queue table has: due rows in id order. --pg-index partial: PostgreSQL's
+    # partial index of the due rows, which the how-to recommends there (see the how-to: the
+    # composite index keeps every processed row's dead NULL entry at the head of each scan).
+    if raw.store == "postgresql" and partial:
+        raw.run(f"CREATE INDEX {ev}_due ON {ev} (id) WHERE processed_at IS NULL")
+    else:
+        raw.run(f"CREATE INDEX {ev}_due ON {ev} (processed_at, id)")
     values = [(i, f"event {i}") for i in range(1, rows + 1)]
     raw.begin()
     if raw.store in ("mysql", "postgresql"):
@@ -418,7 +424,7 @@ def run_subject(
         cell["ttl"] = cfg["ttl"]
     setup = Raw(store, env, db_path)
     try:
-        create_tables(setup, tag, args.rows)
+        create_tables(setup, tag, args.rows, args.pg_index == "partial")
     finally:
         setup.close()
     rng = random.Random(f"{store}/{subject}/{round_}/{rep}")
@@ -479,6 +485,20 @@ def run_subject(
     if cell["wall_s"]:
         cell["rows_per_s"] = round(cell["distinct"] / cell["wall_s"], 1)
     return cell
+
+
+def pg_statements(env: dict[str, str]) -> list[str]:
+    """The costliest statements since the last call (server execution time), then reset."""
+    import psycopg
+
+    with psycopg.connect(env["postgresql"], autocommit=True) as conn:
+        found = conn.execute(
+            "SELECT total_exec_time, calls, query FROM pg_stat_statements"
+            " WHERE query NOT LIKE '%pg_stat_statements%' ORDER BY total_exec_time DESC LIMIT 6"
+        ).fetchall()
+        conn.execute("SELECT pg_stat_statements_reset()")
+    return [f"{ms:,.0f} ms in {calls:,} calls ({ms / max(calls, 1):.2f} ms each):"
+            f" {' '.join(query.split())[:110]}" for ms, calls, query in found]  # fmt: skip
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -551,6 +571,12 @@ def main() -> None:
     parser.add_argument("--innodb-deadlock-detect", choices=["on", "off"], default="on",
                         help="MariaDB's setting (default on, as shipped)")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3, help="runs of every subject")
+    parser.add_argument("--pg-index", choices=["composite", "partial"], default="composite",
+                        help="PostgreSQL's index of due rows: (processed_at, id), or (id) WHERE"
+                        " processed_at IS NULL")  # fmt: skip
+    parser.add_argument("--pg-stats", action="store_true",
+                        help="PostgreSQL: preload pg_stat_statements and keep each subject's"
+                        " costliest statements (server time) in its cell")  # fmt: skip
     parser.add_argument("--out")
     parser.add_argument("--report")
     args = parser.parse_args()
@@ -568,11 +594,15 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "python": platform.python_version(),
         "load_before": os.getloadavg(),
+        "pg_index": args.pg_index,
         "cells": [],
     }
     with tempfile.TemporaryDirectory(prefix="latchkey-queue-") as tmp:
         env, running = servers.start([s for s in stores if s != "sqlite"], Path(tmp))
         try:
+            if args.pg_stats and "postgresql" in env:
+                pg = next(srv for srv in running if srv.url == env["postgresql"])
+                servers.enable_pg_stat_statements(pg)
             if "mysql" in env and args.innodb_deadlock_detect == "off":
                 setting = Raw("mysql", env, "")
                 setting.run("SET GLOBAL innodb_deadlock_detect = OFF")
@@ -601,8 +631,12 @@ def main() -> None:
                             failed = f"{type(exc).__name__}: {exc}"[:300]
                             cell = {"store": store, "subject": subject, "round": round_,
                                     "rep": rep, "daemons": DASH, "failed": failed}  # fmt: skip
+                        if args.pg_stats and store == "postgresql":
+                            cell["statements"] = pg_statements(env)
                         results["cells"].append(cell)
                         print(table({"cells": [cell]}).splitlines()[-1], flush=True)
+                        for line in cell.get("statements", [])[:4]:
+                            print("    " + line, flush=True)
         finally:
             servers.stop(running)
     results["load_after"] = os.getloadavg()
