@@ -161,3 +161,37 @@ def test_an_idle_connections_ping_and_the_call_share_one_timeout(
             assert took < TIMEOUT + MARGIN, f"acquire: StoreUnavailable after {took:.2f}s"
 
     asyncio.run(after_idle())
+
+
+def test_a_busy_getlock_acquire_ends_within_the_timeout(
+    proxied: tuple[Proxy, str], api: str
+) -> None:
+    """``mysql+getlock://``: a GET_LOCK that finds the name taken asks who holds it, a second
+    round trip. Every packet delayed by 0.3 timeout: 0.6 each. Before, the answer (busy)
+    came after 1.2 timeouts, in both APIs."""
+    proxy, url = proxied
+    url = url.replace("mysql://", "mysql+getlock://", 1).split("?", 1)[0]
+    url = with_query(url, timeout=f"{TIMEOUT:g}s")
+    name = _names(1)[0]
+    direct = url.replace(f"127.0.0.1:{proxy.port}", "{}:{}".format(*proxy.target), 1)
+    with latchkey.connect(direct) as holder:
+        assert holder.lock(name, ttl="60s").acquire()
+        if api == "sync":
+            with latchkey.connect(url) as store:
+                store.inspect("x")  # its session is open: the acquire is two statements
+                proxy.set("pass", latency=0.3 * TIMEOUT)
+                lock = store.lock(name, ttl="10s", wait=0)
+                _ends_within_the_timeout(lock.acquire, "busy acquire")
+            return
+
+        async def busy() -> None:
+            async with latchkey.connect_async(url) as store:
+                await store.inspect("x")
+                proxy.set("pass", latency=0.3 * TIMEOUT)
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await store.lock(name, ttl="10s", wait=0).acquire()
+                took = time.monotonic() - started
+                assert took < TIMEOUT + MARGIN, f"busy acquire: StoreUnavailable after {took:.2f}s"
+
+        asyncio.run(busy())

@@ -64,7 +64,13 @@ from pymysql.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.io.mysql_dsn import WRITABLE, Hosts, address_text, hosts_of, read_only, reason
-from latchkey.stores.io.mysql_session import READ_ONLY, REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_session import (
+    READ_ONLY,
+    REFUSED,
+    SESSION_ENDING,
+    Overdue,
+    Refused,
+)
 from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.rows_sql import Statement
 
@@ -203,7 +209,7 @@ class Connection:
         call); past the deadline, TimeoutError (the connection is then discarded)."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"no answer within {self.timeout:g}s")
+            raise Overdue(f"no answer within {self.timeout:g}s")
         if not -SLACK <= self.current - left <= SLACK:
             self.sock.settimeout(left)
             self.current = left
