@@ -45,6 +45,12 @@ T = TypeVar("T")
 ERRORS = (pymysql.err.MySQLError, OSError)
 
 
+class _Call(threading.local):
+    """This thread's call in progress: the monotonic time it ends (None: no call)."""
+
+    deadline: float | None = None
+
+
 class MySession(Session):
     """A session and its one cursor, reused by every call on it, on our own socket."""
 
@@ -66,11 +72,11 @@ class PyMySQLSessions(SessionDriver):
     def __init__(self, backend: Any, store: Any) -> None:
         super().__init__(backend, store)
         self.args = connect_args(backend)
-        self.call = threading.local()  # .deadline: the monotonic time this thread's call ends
+        self.call = _Call()
 
     def run(self, steps: Steps[T], action: str) -> T:
         call = self.call
-        outer = getattr(call, "deadline", None)
+        outer = call.deadline
         call.deadline = time.monotonic() + self.timeout
         try:
             return super().run(steps, action)
@@ -79,7 +85,7 @@ class PyMySQLSessions(SessionDriver):
 
     def connect(self, spare: bool) -> MySession:
         # on a socket of our own (latchkey.stores.io.pymysql), by the call's deadline
-        conn = connect(self.args, getattr(self.call, "deadline", None))
+        conn = connect(self.args, self.call.deadline)
         sock = socket_of(conn)
         assert sock is not None
         return MySession(conn, sock, spare, self.timeout)
@@ -87,9 +93,9 @@ class PyMySQLSessions(SessionDriver):
     def bound(self, session: MySession) -> None:
         """Before a statement: the socket's timeout is the time the call has left (set only
         when off by more than ``SLACK``); past the deadline, ``Overdue``."""
-        deadline = getattr(self.call, "deadline", None)
-        if deadline is None:  # pragma: no cover - every statement runs in run()
-            return
+        deadline = self.call.deadline
+        if deadline is None:  # outside a call (close() unlocking), or borrowed (Lending.run):
+            return  # the socket's timeouts as they are
         left = deadline - time.monotonic()
         if left <= 0:
             raise Overdue(f"no answer within {self.timeout:g}s")
