@@ -18,9 +18,9 @@ another. Before each statement and each further result set, the socket's timeout
 the time the call has left (``settimeout`` on our own socket: PyMySQL has no public way to
 change a connection's read and write timeouts after connecting; it sets its socket's timeout
 only when those differ from the one it set last, and both are the store's timeout here, so
-it never undoes ours), or TimeoutError once the deadline has passed; a connection that timed
-out is discarded, never reused. The handshake runs inside PyMySQL's ``connect()``, several
-round trips that cannot be bounded one by one: the watchdog
+it never undoes ours), or ``Overdue`` (an OSError) once the deadline has passed; a connection
+that timed out is discarded, never reused. The handshake runs inside PyMySQL's
+``connect()``, several round trips that cannot be bounded one by one: the watchdog
 (:mod:`latchkey.stores.io.watchdog`) shuts its socket down at the deadline. Cost: a call
 that ends within ``SLACK`` of starting makes no system call for this (one ``time.monotonic()``
 a statement); a longer one, a ``settimeout`` per read and one to set the whole timeout back
@@ -206,7 +206,8 @@ class Connection:
         """Before each read or write of the call: the socket's timeout is the time left
         (set only when the one in place would overrun the deadline by more than ``SLACK``,
         or is shorter than a new call needs: a call that ends quickly costs no system
-        call); past the deadline, TimeoutError (the connection is then discarded)."""
+        call); past the deadline, ``Overdue`` (an OSError: the connection is then discarded,
+        as a result set may be left unread)."""
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise Overdue(f"no answer within {self.timeout:g}s")
