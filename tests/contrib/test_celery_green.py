@@ -1,0 +1,203 @@
+"""latchkey.contrib.celery under a real worker with a green pool (``celery worker -P gevent``
+and ``-P eventlet``, a subprocess that monkey-patches the standard library: threads become
+greenlets, sockets and ``time.sleep`` cooperative) with the suite's Redis as broker and result
+backend, and locks on Redis, PostgreSQL and SQLite (tests/contrib/celery_green_app.py).
+
+For each store, in one worker: a duplicate queued while the first run holds the lock is
+skipped; a run that outlives its one-second lease several times keeps it (the renewer greenlet
+renews it: the token is unchanged and a duplicate sent later is still skipped); the lock is
+free when the run returns; and the lease of a worker killed with SIGKILL ends by its TTL. Under
+gevent, a task that keeps the CPU without yielding for longer than its lease loses it, and
+that is reported (``lock.lost``, a WARNING), not silent."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("celery", reason="latchkey[celery] is not installed")
+
+import redis
+from celery import Celery
+
+import latchkey
+from latchkey.contrib.celery import lock_name
+from tests.conftest import ServerPool
+from tests.helpers import eventually
+from tests.servers import ServerUnavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 60  # seconds a step may take on a loaded machine
+TTL = 1.0  # the tasks' lease (celery_green_app.TTL)
+
+
+def _base(server_pool: ServerPool, kind: str) -> str:
+    try:
+        return server_pool.base_url(kind)
+    except ServerUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"{kind}: server required in CI but unavailable: {exc}")
+        pytest.skip(f"{kind}: not run: {exc}")
+
+
+class Worker:
+    """A worker under a green pool in a subprocess of its own session, and what it logged."""
+
+    def __init__(self, pool: str, broker: str, stores: dict[str, str], tmp_path: Path) -> None:
+        tag = uuid.uuid4().hex[:12]
+        self.queue = f"q{tag}"
+        self.broker, self.stores = broker, stores
+        self.log = tmp_path / "worker.log"
+        env = {
+            **os.environ,
+            "GREEN_TEST_BROKER": broker,
+            "GREEN_TEST_QUEUE": self.queue,
+            "GREEN_TEST_STORES": json.dumps(stores),
+            "PYTHONPATH": str(ROOT),
+        }
+        env.pop("LATCHKEY_URL", None)
+        command = [
+            sys.executable, "-m", "celery", "-A", "tests.contrib.celery_green_app", "worker",
+            "--pool", pool, "--concurrency", "10", "--loglevel", "INFO", "-Q", self.queue,
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "--hostname", f"{pool}-{tag}@%h",
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(TIMEOUT)
+
+
+@pytest.fixture(params=["gevent", "eventlet"])
+def worker(
+    request: pytest.FixtureRequest, server_pool: ServerPool, tmp_path: Path
+) -> Iterator[Worker]:
+    pytest.importorskip(request.param, reason=f"{request.param} is not installed")
+    redis_base = _base(server_pool, "redis")
+    tag = uuid.uuid4().hex[:12]
+    stores = {
+        "redis": f"{redis_base}?prefix=t{tag}:",
+        "postgresql": _base(server_pool, "postgresql"),
+        "sqlite": f"sqlite:///{tmp_path}/locks-{tag}.db",
+    }
+    started = Worker(request.param, redis_base, stores, tmp_path)
+    try:
+        yield started
+    finally:
+        started.kill()
+
+
+@pytest.fixture
+def client(worker: Worker) -> Iterator[Celery]:
+    app = Celery("green-client", broker=worker.broker, backend=worker.broker, set_as_current=False)
+    app.conf.update(task_default_queue=worker.queue, broker_connection_retry_on_startup=True)
+    yield app
+    gc.collect()  # AsyncResults unsubscribe when collected: now, while Redis runs
+    app.close()
+
+
+class Runs:
+    """Starts ``green.hold.<store>`` runs and lets them go, through gates in Redis."""
+
+    def __init__(self, client: Celery, worker: Worker) -> None:
+        self.client, self.worker = client, worker
+        self.gates = redis.Redis.from_url(client.conf.broker_url)
+
+    def start(self, store: str, key: str) -> tuple[Any, str]:
+        gate = f"g{uuid.uuid4().hex}"
+        return self.client.send_task(f"green.hold.{store}", (key, gate)), gate
+
+    def started(self, gate: str) -> dict[str, Any]:
+        popped = self.gates.blpop([f"{gate}:started"], timeout=TIMEOUT)
+        assert popped is not None, f"{gate}: the run never started\n{self.worker.output()}"
+        return json.loads(popped[1])  # type: ignore[no-any-return]
+
+    def go(self, gate: str) -> None:
+        self.gates.set(f"{gate}:go", 1, ex=TIMEOUT)
+
+
+def holder_token(store: latchkey.Store, name: str) -> int | None:
+    info = store.inspect(name)
+    return None if info is None else info.token
+
+
+def test_green_pool_renews_skips_duplicates_releases_and_a_killed_workers_lease_ends(
+    worker: Worker, client: Celery
+) -> None:
+    runs = Runs(client, worker)
+    stores = {kind: latchkey.connect(url) for kind, url in worker.stores.items()}
+    try:
+        # one run per store, all at once: they hold their locks side by side in one process
+        keys = {kind: uuid.uuid4().hex for kind in stores}
+        first = {kind: runs.start(kind, keys[kind]) for kind in stores}
+        tokens = {kind: runs.started(gate)["token"] for kind, (_, gate) in first.items()}
+        names = {kind: lock_name(f"green.hold.{kind}", {"key": keys[kind]}) for kind in stores}
+        for kind, store in stores.items():
+            assert holder_token(store, names[kind]) == tokens[kind], kind
+
+        # a duplicate while the first runs: skipped, in another greenlet of the same worker
+        duplicates = {kind: runs.start(kind, keys[kind])[0] for kind in stores}
+        for kind, result in duplicates.items():
+            assert result.get(timeout=TIMEOUT) is None, kind
+
+        # three leases later the first runs still hold their locks, under the same tokens,
+        # and a duplicate is still skipped: the renewer greenlets renewed them
+        time.sleep(3 * TTL)  # (the runs must outlive their leases: a span of time is the point)
+        for kind, store in stores.items():
+            assert holder_token(store, names[kind]) == tokens[kind], kind
+        late = {kind: runs.start(kind, keys[kind])[0] for kind in stores}
+        for kind, result in late.items():
+            assert result.get(timeout=TIMEOUT) is None, kind
+
+        # let them go: each returns its token, lease never lost, and the lock is free
+        for _, gate in first.values():
+            runs.go(gate)
+        for kind, (result, _) in first.items():
+            assert result.get(timeout=TIMEOUT) == {"token": tokens[kind], "lost": False}, kind
+            assert store_is_free(stores[kind], names[kind]), kind
+        skipped = worker.output().count(" is held (by task ")
+        assert skipped == 2 * len(stores), worker.output()
+
+        # a worker killed while its runs hold their locks: each lease ends by its TTL
+        keys = {kind: uuid.uuid4().hex for kind in stores}
+        held = {kind: runs.start(kind, keys[kind]) for kind in stores}
+        names = {kind: lock_name(f"green.hold.{kind}", {"key": keys[kind]}) for kind in stores}
+        for _, gate in held.values():
+            runs.started(gate)
+        for kind, store in stores.items():
+            assert not store_is_free(store, names[kind]), kind
+        worker.kill()
+        for kind, store in stores.items():
+            eventually(
+                lambda store=store, name=names[kind]: store_is_free(store, name),
+                timeout=TIMEOUT, what=f"{kind}: the killed worker's lease ended",
+            )  # fmt: skip
+        assert "Traceback" not in worker.output(), worker.output()
+    finally:
+        runs.gates.close()
+        for store in stores.values():
+            store.close()
+
+
+def store_is_free(store: latchkey.Store, name: str) -> bool:
+    return store.is_free(name)
