@@ -8,13 +8,16 @@ skipped; a run that outlives its one-second lease several times keeps it (the re
 renews it: the token is unchanged and a duplicate sent later is still skipped); the lock is
 free when the run returns; and the lease of a worker killed with SIGKILL ends by its TTL. Under
 gevent, a task that keeps the CPU without yielding for longer than its lease loses it, and
-that is reported (``lock.lost``, a WARNING), not silent."""
+that is reported (``lock.lost``, a WARNING), not silent. And a PostgreSQL server that stops
+answering (a proxy that swallows the traffic) fails a statement by its deadline under gevent
+instead of hanging every greenlet of the process."""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +37,7 @@ from celery import Celery
 import latchkey
 from latchkey.contrib.celery import lock_name
 from tests.conftest import ServerPool
+from tests.faults.proxy import Proxy
 from tests.helpers import eventually
 from tests.servers import ServerUnavailable
 
@@ -201,3 +205,44 @@ def test_green_pool_renews_skips_duplicates_releases_and_a_killed_workers_lease_
 
 def store_is_free(store: latchkey.Store, name: str) -> bool:
     return store.is_free(name)
+
+
+def test_a_frozen_postgresql_server_fails_the_call_by_its_deadline_under_gevent(
+    server_pool: ServerPool,
+) -> None:
+    """libpq's blocking ``PQexecPrepared`` (the sync driver's hot statements) stopped the
+    gevent hub: the watchdog greenlet that cuts a call past its deadline never ran, and the
+    process hung for good. Under gevent the statement now waits on the hub."""
+    pytest.importorskip("gevent", reason="gevent is not installed")
+    base = _base(server_pool, "postgresql")
+    found = re.match(r"(postgresql://[^@/]*@?[^:/]+):(\d+)(.*)", base)
+    assert found, base
+    proxy = Proxy("127.0.0.1", int(found.group(2)))
+    url = f"{found.group(1)}:{proxy.port}{found.group(3)}"
+    url += ("&" if "?" in url else "?") + "timeout=1s"
+    script = ROOT / "tests" / "contrib" / "green_frozen_pg.py"
+    child = subprocess.Popen(
+        [sys.executable, str(script), url, f"frozen-{uuid.uuid4().hex}"], cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        ready = child.stdout.readline()
+        assert ready == "ready\n", ready + child.stdout.read()
+        proxy.set("blackhole")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        try:
+            out, _ = child.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the process hung on the frozen server (every greenlet stopped)")
+        answer = json.loads(out.splitlines()[-1])
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        proxy.close()
+    assert answer["error"] is not None and "no answer within" in answer["error"], answer
+    assert answer["took"] < 10, answer
+    assert answer["max_gap"] < 1.0, answer  # the other greenlets ran meanwhile

@@ -1,0 +1,60 @@
+"""psycopg under green threads (gevent, eventlet): waiting without stopping every greenlet.
+
+Under ``gevent.monkey.patch_all()`` or ``eventlet.monkey_patch()`` (Celery's ``-P gevent`` and
+``-P eventlet`` workers) threads are greenlets on one OS thread, and only waits that go through
+the patched modules (sockets, ``select``, ``time.sleep``, ``threading``) let the others run. A
+C call that waits on the network itself stops them all: libpq's ``PQexecPrepared``, which the
+sync PostgreSQL driver runs its hot statements with (``psycopg.Session.run_prepared``). Against
+a frozen server that call never returns, and the watchdog that would cut it
+(:mod:`latchkey.stores.io.watchdog`: a greenlet too) never runs: the whole process hangs.
+:func:`patched` tells a driver to send the statement and wait for its reply with :func:`reply`
+instead: on the patched ``select``, so the hub runs the other greenlets, the watchdog among
+them, meanwhile.
+
+psycopg's own ``execute`` waits through ``select`` under gevent (psycopg detects its patching),
+but in C under eventlet, unless ``PSYCOPG_WAIT_FUNC=wait_select`` is set before psycopg is
+imported: :func:`psycopg_waits_in_c` says so, for the driver's warning.
+"""
+
+from __future__ import annotations
+
+import select
+import sys
+
+import psycopg
+from psycopg import waiting
+
+
+def patched() -> bool:
+    """Whether gevent or eventlet has monkey-patched ``select`` in this process (asked without
+    importing either)."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("select"):
+        return True
+    patcher = sys.modules.get("eventlet.patcher")
+    return patcher is not None and bool(patcher.is_monkey_patched("select"))
+
+
+def psycopg_waits_in_c() -> bool:
+    """Whether psycopg's own waits (connect, ``execute``) run in C, unseen by the green hub."""
+    return waiting.wait is getattr(waiting, "wait_c", None)
+
+
+def reply(pgconn: psycopg.pq.abc.PGconn) -> psycopg.pq.abc.PGresult:
+    """The result of the one statement just sent on ``pgconn`` (psycopg opens connections in
+    libpq's nonblocking mode), waiting on the patched ``select``: the sync twin of
+    ``psycopg_async.reply``. Raises psycopg's OperationalError if the connection fails (or
+    the watchdog shuts its socket down)."""
+    fd = pgconn.socket
+    while pgconn.flush():  # only if the socket's buffer is full (never for our statements)
+        select.select([], [fd], [])
+    last: psycopg.pq.abc.PGresult | None = None
+    while True:
+        while pgconn.is_busy():
+            select.select([fd], [], [])
+            pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:  # the end of the reply: the connection is idle again
+            assert last is not None
+            return last
+        last = result
