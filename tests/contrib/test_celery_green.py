@@ -220,8 +220,9 @@ def store_is_free(store: latchkey.Store, name: str) -> bool:
     return store.is_free(name)
 
 
+@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+advisory"])
 def test_a_frozen_postgresql_server_fails_the_call_by_its_deadline_under_gevent(
-    server_pool: ServerPool,
+    server_pool: ServerPool, scheme: str
 ) -> None:
     """libpq's blocking ``PQexecPrepared`` (the sync driver's hot statements) stopped the
     gevent hub: the watchdog greenlet that cuts a call past its deadline never ran, and the
@@ -231,7 +232,7 @@ def test_a_frozen_postgresql_server_fails_the_call_by_its_deadline_under_gevent(
     found = re.match(r"(postgresql://[^@/]*@?[^:/]+):(\d+)(.*)", base)
     assert found, base
     proxy = Proxy("127.0.0.1", int(found.group(2)))
-    url = f"{found.group(1)}:{proxy.port}{found.group(3)}"
+    url = f"{found.group(1)}:{proxy.port}{found.group(3)}".replace("postgresql", scheme, 1)
     url += ("&" if "?" in url else "?") + "timeout=1s"
     script = ROOT / "tests" / "contrib" / "green_frozen_pg.py"
     child = subprocess.Popen(

@@ -367,17 +367,15 @@ class Session:
         pgconn = self.conn.pgconn
         for again in (True, False):
             if name not in self.prepared:
-                if self.green:
-                    pgconn.send_prepare(name, query)
-                    prepared = psycopg_green.reply(pgconn)
+                if self.green:  # libpq's blocking calls would stop every greenlet meanwhile
+                    prepared = psycopg_green.prepare(pgconn, name, query)
                 else:
                     prepared = pgconn.prepare(name, query)
                 if prepared.status != COMMAND_OK:
                     raise result_error(prepared)
                 self.prepared.add(name)
-            if self.green:  # libpq's blocking call would stop every greenlet while it waits
-                pgconn.send_query_prepared(name, params, formats, 1 if binary else 0)
-                result = psycopg_green.reply(pgconn)
+            if self.green:
+                result = psycopg_green.exec_prepared(pgconn, name, params, formats, int(binary))
             else:
                 result = pgconn.exec_prepared(name, params, formats, 1 if binary else 0)
             status = result.status

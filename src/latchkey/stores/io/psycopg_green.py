@@ -4,12 +4,13 @@ Under ``gevent.monkey.patch_all()`` or ``eventlet.monkey_patch()`` (Celery's ``-
 ``-P eventlet`` workers) threads are greenlets on one OS thread, and only waits that go through
 the patched modules (sockets, ``select``, ``time.sleep``, ``threading``) let the others run. A
 C call that waits on the network itself stops them all: libpq's ``PQexecPrepared``, which the
-sync PostgreSQL driver runs its hot statements with (``psycopg.Session.run_prepared``). Against
+sync PostgreSQL drivers run their hot statements with (``psycopg.Session.run_prepared``, the
+session locks' ``PsycopgSessions``). Against
 a frozen server that call never returns, and the watchdog that would cut it
 (:mod:`latchkey.stores.io.watchdog`: a greenlet too) never runs: the whole process hangs.
-:func:`patched` tells a driver to send the statement and wait for its reply with :func:`reply`
-instead: on the patched ``select``, so the hub runs the other greenlets, the watchdog among
-them, meanwhile.
+:func:`patched` tells a driver to call :func:`prepare` and :func:`exec_prepared` instead: they
+send the statement and wait for its reply (:func:`reply`) on the patched ``select``, so the
+hub runs the other greenlets, the watchdog among them, meanwhile.
 
 psycopg's own ``execute`` waits through ``select`` under gevent (psycopg detects its patching),
 but in C under eventlet, unless ``PSYCOPG_WAIT_FUNC=wait_select`` is set before psycopg is
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import select
 import sys
+from collections.abc import Sequence
 
 import psycopg
 from psycopg import waiting
@@ -38,6 +40,21 @@ def patched() -> bool:
 def psycopg_waits_in_c() -> bool:
     """Whether psycopg's own waits (connect, ``execute``) run in C, unseen by the green hub."""
     return waiting.wait is getattr(waiting, "wait_c", None)
+
+
+def prepare(pgconn: psycopg.pq.abc.PGconn, name: bytes, query: bytes) -> psycopg.pq.abc.PGresult:
+    """``pgconn.prepare(name, query)``, waiting on the hub."""
+    pgconn.send_prepare(name, query)
+    return reply(pgconn)
+
+
+def exec_prepared(
+    pgconn: psycopg.pq.abc.PGconn, name: bytes, params: Sequence[bytes | None] | None,
+    formats: Sequence[int] | None = None, result_format: int = 0,
+) -> psycopg.pq.abc.PGresult:  # fmt: skip
+    """``pgconn.exec_prepared(name, params, formats, result_format)``, waiting on the hub."""
+    pgconn.send_query_prepared(name, params, formats, result_format)
+    return reply(pgconn)
 
 
 def reply(pgconn: psycopg.pq.abc.PGconn) -> psycopg.pq.abc.PGresult:
