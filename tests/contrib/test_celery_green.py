@@ -15,6 +15,7 @@ instead of hanging every greenlet of the process."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import re
@@ -53,6 +54,13 @@ def _base(server_pool: ServerPool, kind: str) -> str:
         if os.environ.get("CI"):
             pytest.fail(f"{kind}: server required in CI but unavailable: {exc}")
         pytest.skip(f"{kind}: not run: {exc}")
+
+
+def _installed(library: str) -> None:
+    """Skip unless ``library`` is installed, without importing it here: eventlet, once
+    imported, warns at every fork (and warnings are errors in this suite)."""
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
 
 
 class Worker:
@@ -96,7 +104,7 @@ class Worker:
 def worker(
     request: pytest.FixtureRequest, server_pool: ServerPool, tmp_path: Path
 ) -> Iterator[Worker]:
-    pytest.importorskip(request.param, reason=f"{request.param} is not installed")
+    _installed(request.param)
     redis_base = _base(server_pool, "redis")
     tag = uuid.uuid4().hex[:12]
     stores = {
@@ -227,7 +235,7 @@ def test_a_frozen_postgresql_server_fails_the_call_by_its_deadline_under_gevent(
     """libpq's blocking ``PQexecPrepared`` (the sync driver's hot statements) stopped the
     gevent hub: the watchdog greenlet that cuts a call past its deadline never ran, and the
     process hung for good. Under gevent the statement now waits on the hub."""
-    pytest.importorskip("gevent", reason="gevent is not installed")
+    _installed("gevent")
     base = _base(server_pool, "postgresql")
     found = re.match(r"(postgresql://[^@/]*@?[^:/]+):(\d+)(.*)", base)
     assert found, base
