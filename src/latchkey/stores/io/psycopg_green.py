@@ -1,16 +1,14 @@
 """psycopg under green threads (gevent, eventlet): waiting without stopping every greenlet.
 
-Under ``gevent.monkey.patch_all()`` or ``eventlet.monkey_patch()`` (Celery's ``-P gevent`` and
-``-P eventlet`` workers) threads are greenlets on one OS thread, and only waits that go through
-the patched modules (sockets, ``select``, ``time.sleep``, ``threading``) let the others run. A
-C call that waits on the network itself stops them all: libpq's ``PQexecPrepared``, which the
-sync PostgreSQL drivers run their hot statements with (``psycopg.Session.run_prepared``, the
-session locks' ``PsycopgSessions``). Against
-a frozen server that call never returns, and the watchdog that would cut it
-(:mod:`latchkey.stores.io.watchdog`: a greenlet too) never runs: the whole process hangs.
-:func:`patched` tells a driver to call :func:`prepare` and :func:`exec_prepared` instead: they
-send the statement and wait for its reply (:func:`reply`) on the patched ``select``, so the
-hub runs the other greenlets, the watchdog among them, meanwhile.
+Under green threads (:mod:`latchkey.stores.io.green`) a C call that waits on the network
+itself stops every greenlet: libpq's ``PQexecPrepared``, which the sync PostgreSQL drivers
+run their hot statements with (``psycopg.Session.run_prepared``, the session locks'
+``PsycopgSessions``). Against a frozen server that call never returns, and the watchdog that
+would cut it (:mod:`latchkey.stores.io.watchdog`: a greenlet too) never runs: the whole
+process hangs. When :func:`~latchkey.stores.io.green.patched` says so, a driver calls
+:func:`prepare` and :func:`exec_prepared` instead: they send the statement and wait for its
+reply (:func:`reply`) on the patched ``select``, so the hub runs the other greenlets, the
+watchdog among them, meanwhile.
 
 psycopg's own ``execute`` waits through ``select`` under gevent (psycopg detects its patching),
 but in C under eventlet, unless ``PSYCOPG_WAIT_FUNC=wait_select`` is set before psycopg is
@@ -20,21 +18,14 @@ imported: :func:`psycopg_waits_in_c` says so, for the driver's warning.
 from __future__ import annotations
 
 import select
-import sys
 from collections.abc import Sequence
 
 import psycopg
 from psycopg import waiting
 
+from latchkey.stores.io.green import patched
 
-def patched() -> bool:
-    """Whether gevent or eventlet has monkey-patched ``select`` in this process (asked without
-    importing either)."""
-    monkey = sys.modules.get("gevent.monkey")
-    if monkey is not None and monkey.is_module_patched("select"):
-        return True
-    patcher = sys.modules.get("eventlet.patcher")
-    return patcher is not None and bool(patcher.is_monkey_patched("select"))
+__all__ = ["exec_prepared", "patched", "prepare", "psycopg_waits_in_c", "reply"]
 
 
 def psycopg_waits_in_c() -> bool:

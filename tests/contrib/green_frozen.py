@@ -1,5 +1,5 @@
 """Run by tests/contrib/test_celery_green.py in a subprocess patched by gevent, as a
-``-P gevent`` worker is: ``python green_frozen_pg.py <postgresql URL through a proxy> <name>``.
+``-P gevent`` worker is: ``python green_frozen.py <store URL through a proxy> <name>``.
 Takes a lock, says "ready", waits for a line on stdin (the test has frozen the proxy
 meanwhile), then takes another lock and prints, as JSON, what that did: its error, how long it
 took, and the longest pause of a greenlet ticking every 0.1 s meanwhile."""
