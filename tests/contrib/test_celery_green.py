@@ -230,7 +230,7 @@ def store_is_free(store: latchkey.Store, name: str) -> bool:
     return store.is_free(name)
 
 
-@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+advisory", "memcached"])
+@pytest.mark.parametrize("scheme", ["postgresql", "postgresql+advisory", "memcached", "redis"])
 def test_a_frozen_server_fails_the_call_by_its_deadline_under_gevent(
     server_pool: ServerPool, scheme: str
 ) -> None:
@@ -238,7 +238,8 @@ def test_a_frozen_server_fails_the_call_by_its_deadline_under_gevent(
     (libpq's blocking ``PQexecPrepared``, the sync driver's hot statements, stopped the hub,
     and with it the watchdog greenlet that cuts a call past its deadline), on memcached the
     call (its deadline was the kernel's socket timeout, which a gevent socket never sees).
-    Now the call fails by the store's timeout and the other greenlets run meanwhile."""
+    Now the call fails by the store's timeout and the other greenlets run meanwhile (Redis:
+    redis-py's socket timeouts did so already)."""
     _installed("gevent")
     base = _base(server_pool, scheme.partition("+")[0])
     found = re.search(r"(127\.0\.0\.1|localhost):(\d+)", base)
