@@ -7,7 +7,7 @@ calls, the selector's bookkeeping for both, a handle and a future, and a second 
 loop: the future's callback wakes the task in the turn after the socket's. On the development
 VM that was ~140k of the ~370k instructions of an asyncio ``postgresql+advisory`` acquire +
 release pair (callgrind), more than latchkey's own Python code in it (docs/benchmarks.md,
-run 17).
+run 18).
 
 A :class:`Watch` is registered with the loop once (:meth:`Watch.watch`) and stays registered
 between statements. The task awaits the watch itself: it is future-like to the task (the
