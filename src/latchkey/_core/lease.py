@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from latchkey import _observe
+from latchkey._core.holds import Holds
 from latchkey._core.ops import CALL, Steps, background, call, renew, sleep, unrenew, user
 from latchkey._core.waiting import Attempts, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
@@ -96,6 +97,10 @@ class LeaseCore:
         #: The shell's renewer (a thread or a task) while one runs; see ops.RENEW.
         self._renewer: Any = None
         self._state = threading.Lock()
+        #: The store object's record of this process's leases (None: not kept there).
+        self._holds: Holds | None = getattr(store, "_holds", None)
+        self._grant: Grant | None = None  # the current lease's grant, for local busy answers
+        self._owner_info = ""  # and the owner JSON it was taken with
 
     # -- state (no I/O) ----------------------------------------------------------------------
 
@@ -148,11 +153,15 @@ class LeaseCore:
         owner = new_owner_token()
         args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
         sent = time.monotonic()
+        holds = self._holds
         try:
-            result = yield (CALL, None, "acquire", args)
+            # Held through this store object by another lease of this process, live by its
+            # own clock: the store would say busy, so it is not asked (_core/holds.py).
+            local = None if holds is None else holds.busy(self.name, self.limit)
+            result = local or (yield (CALL, None, "acquire", args))
             if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
                 caps = self._caps
-                attempts = Attempts(args, time.monotonic, sent)
+                attempts = Attempts(args, time.monotonic, sent, holds)
                 result = yield from wait_for(
                     attempts,
                     result,
@@ -188,6 +197,9 @@ class LeaseCore:
             self._renew_failure = None
             self.holder = None
             self._granted(result, sent, self.ttl)
+            self._grant, self._owner_info = result, args[2]
+        if holds is not None:
+            holds.add(self)
         if self.renew:
             yield renew(self)
         return True
@@ -205,6 +217,8 @@ class LeaseCore:
             return False
         if self._renewer is not None:
             yield unrenew(self)
+        if self._holds is not None:  # before the release: a waiter it wakes must not find it
+            self._holds.remove(self)
         try:
             return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
         finally:
@@ -314,7 +328,10 @@ class LeaseCore:
             self._lost_reason = None
             self.token = None
             self.expires_at = None
+            self._grant = None
             observed, self._observed = self._observed, None
+        if self._holds is not None:
+            self._holds.remove(self)
         if observed is not None:
             _observe.ended(observed)
 
@@ -322,6 +339,8 @@ class LeaseCore:
         with self._state:
             if self._owner is not None and self._lost_reason is None:
                 self._lost_reason = reason
+        if self._holds is not None:
+            self._holds.remove(self)
 
     def _lose(self, reason: str) -> Steps[None]:
         """The lease is known lost: mark it, log a WARNING (name, token, reason) and call

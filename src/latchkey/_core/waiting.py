@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from latchkey._core.holds import Holds
 from latchkey._core.ops import Steps, call, on, sleep
 from latchkey._types import Busy, Grant
 
@@ -66,14 +67,27 @@ class Attempts:
     """The acquire attempts of one wait, all for the same owner; remembers when the last one
     was sent (the holder's local deadline counts from there)."""
 
-    __slots__ = ("args", "clock", "sent")
+    __slots__ = ("args", "clock", "holds", "sent")
 
-    def __init__(self, args: tuple[Any, ...], clock: Callable[[], float], sent: float) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        clock: Callable[[], float],
+        sent: float,
+        holds: Holds | None = None,
+    ) -> None:
         self.args = args  # (name, owner, owner_info, ttl, limit)
         self.clock = clock
         self.sent = sent
+        self.holds = holds  # this process's live leases of the store object (_core/holds.py)
 
     def attempt(self) -> Steps[Grant | Busy]:
+        """Ask the store, unless a lease of this process through the same store object
+        keeps the name busy by its holder's own clock: then that is the answer, no I/O."""
+        if self.holds is not None:
+            local = self.holds.busy(self.args[0], self.args[4])
+            if local is not None:
+                return local
         self.sent = self.clock()
         return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
 
