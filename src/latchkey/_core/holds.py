@@ -17,7 +17,15 @@ when it has no answer.
 - A waiter still takes its place in the store's own line (``wait_in_line``: PostgreSQL's
   queue, the doorbells, pub/sub, lines): a release through this store object wakes it there,
   and order between processes is the store's, as before. Only the attempts are skipped.
-- A forked child starts empty: the parent's leases are not its own to vouch for.
+- Mutex acquires of one process also take turns at asking (:data:`PACED`): while one attempt
+  is in flight the others wait for its outcome instead of racing it to the store, and the
+  waiters ask in the order they came (one woken by a release notice asks at once). A
+  newcomer asks before the waiters — the running thread takes the lease again while a woken
+  waiter is still waking — until the first waiter has waited :data:`STARVING`; then it
+  queues behind them (Go's sync.Mutex normal and starvation modes). PACED is never an
+  acquire's final answer: a wait that runs out on it asks the store once, and a try
+  (``wait=0``) is never paced, so a store failure is never reported as busy.
+- A forked child starts empty: the parent's leases, attempts and waiters are not its own.
 
 Not used where a lease has no local deadline (session-tied locks: a dead session frees the
 lock without the holder knowing) or where a store's attempt does more than ask (ZooKeeper: a
@@ -43,22 +51,44 @@ if TYPE_CHECKING:
     from latchkey._core.lease import LeaseCore
 
 
-class Holds:
-    """The live leases of one store object in this process, by name (see the module)."""
+#: The answer to a mutex acquire of this process that must let another of the same process go
+#: first: an attempt of it is in flight (its outcome is as good as ours would be), or it
+#: waits before us. Never the final answer of an acquire: one that runs out of time on it
+#: asks the store once (``_core/waiting.py``), and a try (``wait=0``) always asks.
+PACED = Busy(1)
+#: A newcomer's acquire of a mutex asks the store before the waiters of its process (the
+#: running thread takes the lease again while a woken waiter is still waking: no wake-up per
+#: grant) unless the first of them has waited longer than this: then it queues behind them,
+#: so none waits for long behind newcomers (Go's sync.Mutex normal and starvation modes).
+STARVING = 0.005
 
-    __slots__ = ("_lock", "names", "pid")
+
+class Holds:
+    """The live leases of one store object in this process, by name, and the turns of its
+    mutex acquires (see the module)."""
+
+    __slots__ = ("_lock", "asking", "names", "pid", "queue")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         #: Weak references: a lock the application forgot while holding it is collected
         #: (and its renewer stops) as before; its record goes with it.
         self.names: dict[str, list[weakref.ref[LeaseCore]]] = {}
+        #: Mutex attempts of this process in flight, by name.
+        self.asking: dict[str, int] = {}
+        #: The blocked mutex acquires of this process, by name, in the order they came.
+        self.queue: dict[str, dict[object, float]] = {}  # waiter -> when it came
         self.pid = os.getpid()
+
+    def _forked(self) -> None:
+        """Under the lock: a forked child starts empty (the parent's leases, attempts and
+        waiters are not its own)."""
+        if self.pid != os.getpid():
+            self.names, self.asking, self.queue, self.pid = {}, {}, {}, os.getpid()
 
     def add(self, lease: LeaseCore) -> None:
         with self._lock:
-            if self.pid != os.getpid():
-                self.names, self.pid = {}, os.getpid()
+            self._forked()
             self.names.setdefault(lease.name, []).append(weakref.ref(lease))
 
     def remove(self, lease: LeaseCore) -> None:
@@ -77,6 +107,59 @@ class Holds:
         with self._lock:
             self.names.pop(name, None)
 
+    # -- turns (mutexes) ---------------------------------------------------------------------
+
+    def asks(self, name: str, step: int) -> None:
+        """A mutex attempt of ``name`` is sent (``step`` 1) or answered (-1)."""
+        with self._lock:
+            if step > 0:
+                self._forked()
+            count = self.asking.get(name, 0) + step
+            if count > 0:
+                self.asking[name] = count
+            else:
+                self.asking.pop(name, None)
+
+    def join(self, name: str, waiter: object) -> None:
+        with self._lock:
+            self._forked()
+            self.queue.setdefault(name, {})[waiter] = time.monotonic()
+
+    def leave(self, name: str, waiter: object) -> None:
+        with self._lock:
+            line = self.queue.get(name)
+            if line is not None:
+                line.pop(waiter, None)
+                if not line:
+                    del self.queue[name]
+
+    def answer(
+        self, name: str, limit: int, waiter: object = None, woken: bool = False
+    ) -> Busy | None:
+        """The answer without the store, if there is one: busy while this process holds the
+        name (:meth:`busy`); for a mutex, :data:`PACED` while an attempt of it is in flight,
+        or while another of its waiters came first — for ``waiter``, unless a release notice
+        ``woken`` it; for a newcomer (``waiter`` None), only once the first waiter has waited
+        :data:`STARVING`. None: ask the store."""
+        if self.pid != os.getpid():
+            with self._lock:
+                self._forked()
+        local = self.busy(name, limit)
+        if local is not None or limit != 1:
+            return local
+        if name in self.asking:
+            return PACED
+        if woken or name not in self.queue:
+            return None
+        with self._lock:  # the first of the line, read while no other thread changes it
+            line = self.queue.get(name)
+            if not line:
+                return None
+            first, since = next(iter(line.items()))
+        if waiter is None:
+            return PACED if time.monotonic() - since > STARVING else None
+        return PACED if first is not waiter else None
+
     def busy(self, name: str, limit: int) -> Busy | None:
         """A busy answer for an acquire of ``name`` with ``limit``, if this process holds
         ``limit`` live leases of it with the same limit; None: ask the store."""
@@ -84,9 +167,7 @@ class Holds:
             return None
         now = time.monotonic()
         with self._lock:
-            if self.pid != os.getpid():
-                self.names, self.pid = {}, os.getpid()
-                return None
+            self._forked()
             live = [
                 (left, lease)
                 for ref in self.names.get(name, ())

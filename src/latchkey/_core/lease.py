@@ -155,10 +155,25 @@ class LeaseCore:
         sent = time.monotonic()
         holds = self._holds
         try:
-            # Held through this store object by another lease of this process, live by its
-            # own clock: the store would say busy, so it is not asked (_core/holds.py).
-            local = None if holds is None else holds.busy(self.name, self.limit)
-            result = local or (yield (CALL, None, "acquire", args))
+            if holds is None:
+                result = yield (CALL, None, "acquire", args)
+            else:
+                # This process's own record may answer without the store (_core/holds.py):
+                # busy while another lease of it through this store object is live by its
+                # holder's clock; for a blocked mutex acquire, wait while another of its
+                # acquires of the name is in flight or waits. A try (wait=0) is never paced.
+                name = self.name
+                local = holds.answer(name, self.limit) if wait_s else holds.busy(name, self.limit)
+                if local is not None:
+                    result = local
+                elif self.limit != 1:
+                    result = yield (CALL, None, "acquire", args)
+                else:
+                    holds.asks(name, 1)
+                    try:
+                        result = yield (CALL, None, "acquire", args)
+                    finally:
+                        holds.asks(name, -1)
             if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
                 caps = self._caps
                 attempts = Attempts(args, time.monotonic, sent, holds)
