@@ -321,23 +321,21 @@ def test_paced_is_never_the_answer_a_wait_ends_with_the_store_is_asked_once() ->
     assert clock.now >= 1.0
 
 
-def test_a_newcomer_goes_before_waiters_until_the_first_has_waited_too_long() -> None:
-    import time
-
-    from latchkey._core.holds import PACED, STARVING, Holds
+def test_waiters_of_a_process_ask_in_the_order_they_came_unless_woken() -> None:
+    from latchkey._core.holds import PACED, Holds
 
     holds = Holds()
-    assert holds.answer("n", 1) is None  # nobody waits: ask the store
     first, second = object(), object()
     holds.join("n", first)
     holds.join("n", second)
-    assert holds.answer("n", 1) is None  # the first has just come: the newcomer asks
-    assert holds.answer("n", 1, first) is None  # the first waiter asks
-    assert holds.answer("n", 1, second) is PACED  # the second lets it go first…
-    assert holds.answer("n", 1, second, woken=True) is None  # …unless a notice woke it
-    assert holds.answer("n", 3) is None  # semaphores take no turns
-    holds.queue["n"][first] = time.monotonic() - 2 * STARVING
-    assert holds.answer("n", 1) is PACED  # the first waited too long: newcomers queue
+    assert holds.answer("n", 1, first, False) is None  # the first waiter asks
+    assert holds.answer("n", 1, second, False) is PACED  # the second lets it go first…
+    assert holds.answer("n", 1, second, True) is None  # …unless a notice woke it
+    assert holds.answer("n", 3, second, False) is None  # semaphores take no turns
+    holds.asks("n", 1)
+    assert holds.answer("n", 1, first, True) is PACED  # an attempt in flight: wait for it
+    holds.asks("n", -1)
     holds.leave("n", first)
+    assert holds.answer("n", 1, second, False) is None
     holds.leave("n", second)
-    assert not holds.queue and holds.answer("n", 1) is None
+    assert not holds.queue and not holds.asking

@@ -17,14 +17,15 @@ when it has no answer.
 - A waiter still takes its place in the store's own line (``wait_in_line``: PostgreSQL's
   queue, the doorbells, pub/sub, lines): a release through this store object wakes it there,
   and order between processes is the store's, as before. Only the attempts are skipped.
-- Mutex acquires of one process also take turns at asking (:data:`PACED`): while one attempt
-  is in flight the others wait for its outcome instead of racing it to the store, and the
-  waiters ask in the order they came (one woken by a release notice asks at once). A
-  newcomer asks before the waiters — the running thread takes the lease again while a woken
-  waiter is still waking — until the first waiter has waited :data:`STARVING`; then it
-  queues behind them (Go's sync.Mutex normal and starvation modes). PACED is never an
-  acquire's final answer: a wait that runs out on it asks the store once, and a try
-  (``wait=0``) is never paced, so a store failure is never reported as busy.
+- The blocked mutex acquires of one process also take turns at asking (:data:`PACED`):
+  while an attempt of the process is in flight a waiter waits for its outcome instead of
+  racing it to the store, and waiters ask in the order they came (one woken by a release
+  notice asks at once). A newcomer's first attempt is not held back (only a live lease
+  answers it): the thread that just released takes the lease again while the woken waiter
+  is still waking, and joining a store's line costs more than asking on some stores (an
+  SQLite doorbell: ~300 µs against ~20 µs). PACED is never an acquire's final answer: a
+  wait that runs out on it asks the store once, and a try (``wait=0``) is never paced, so a
+  store failure is never reported as busy.
 - A forked child starts empty: the parent's leases, attempts and waiters are not its own.
 
 Not used where a lease has no local deadline (session-tied locks: a dead session frees the
@@ -51,16 +52,11 @@ if TYPE_CHECKING:
     from latchkey._core.lease import LeaseCore
 
 
-#: The answer to a mutex acquire of this process that must let another of the same process go
-#: first: an attempt of it is in flight (its outcome is as good as ours would be), or it
-#: waits before us. Never the final answer of an acquire: one that runs out of time on it
-#: asks the store once (``_core/waiting.py``), and a try (``wait=0``) always asks.
+#: The answer to a blocked mutex acquire of this process that must let another of the same
+#: process go first: an attempt of it is in flight (its outcome is as good as ours would
+#: be), or it waits before us. Never the final answer of an acquire: one that runs out of
+#: time on it asks the store once (``_core/waiting.py``).
 PACED = Busy(1)
-#: A newcomer's acquire of a mutex asks the store before the waiters of its process (the
-#: running thread takes the lease again while a woken waiter is still waking: no wake-up per
-#: grant) unless the first of them has waited longer than this: then it queues behind them,
-#: so none waits for long behind newcomers (Go's sync.Mutex normal and starvation modes).
-STARVING = 0.005
 
 
 class Holds:
@@ -77,7 +73,7 @@ class Holds:
         #: Mutex attempts of this process in flight, by name.
         self.asking: dict[str, int] = {}
         #: The blocked mutex acquires of this process, by name, in the order they came.
-        self.queue: dict[str, dict[object, float]] = {}  # waiter -> when it came
+        self.queue: dict[str, dict[object, None]] = {}
         self.pid = os.getpid()
 
     def _forked(self) -> None:
@@ -123,7 +119,7 @@ class Holds:
     def join(self, name: str, waiter: object) -> None:
         with self._lock:
             self._forked()
-            self.queue.setdefault(name, {})[waiter] = time.monotonic()
+            self.queue.setdefault(name, {})[waiter] = None
 
     def leave(self, name: str, waiter: object) -> None:
         with self._lock:
@@ -133,14 +129,11 @@ class Holds:
                 if not line:
                     del self.queue[name]
 
-    def answer(
-        self, name: str, limit: int, waiter: object = None, woken: bool = False
-    ) -> Busy | None:
-        """The answer without the store, if there is one: busy while this process holds the
-        name (:meth:`busy`); for a mutex, :data:`PACED` while an attempt of it is in flight,
-        or while another of its waiters came first — for ``waiter``, unless a release notice
-        ``woken`` it; for a newcomer (``waiter`` None), only once the first waiter has waited
-        :data:`STARVING`. None: ask the store."""
+    def answer(self, name: str, limit: int, waiter: object, woken: bool) -> Busy | None:
+        """The answer for a blocked acquire (``waiter``, in its name's queue) without the
+        store, if there is one: busy while this process holds the name (:meth:`busy`); for a
+        mutex, :data:`PACED` while an attempt of it is in flight, or while another of its
+        waiters came first — unless a release notice ``woken`` it. None: ask the store."""
         if self.pid != os.getpid():
             with self._lock:
                 self._forked()
@@ -153,11 +146,7 @@ class Holds:
             return None
         with self._lock:  # the first of the line, read while no other thread changes it
             line = self.queue.get(name)
-            if not line:
-                return None
-            first, since = next(iter(line.items()))
-        if waiter is None:
-            return PACED if time.monotonic() - since > STARVING else None
+            first = next(iter(line)) if line else waiter
         return PACED if first is not waiter else None
 
     def busy(self, name: str, limit: int) -> Busy | None:

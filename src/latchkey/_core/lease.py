@@ -160,10 +160,9 @@ class LeaseCore:
             else:
                 # This process's own record may answer without the store (_core/holds.py):
                 # busy while another lease of it through this store object is live by its
-                # holder's clock; for a blocked mutex acquire, wait while another of its
-                # acquires of the name is in flight or waits. A try (wait=0) is never paced.
+                # holder's clock. A mutex attempt is known to be in flight while it is.
                 name = self.name
-                local = holds.answer(name, self.limit) if wait_s else holds.busy(name, self.limit)
+                local = holds.busy(name, self.limit)
                 if local is not None:
                     result = local
                 elif self.limit != 1:
