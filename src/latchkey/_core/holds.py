@@ -82,21 +82,22 @@ class Holds:
         if self.pid != os.getpid():
             self.names, self.asking, self.queue, self.pid = {}, {}, {}, os.getpid()
 
-    def add(self, lease: LeaseCore) -> None:
+    def add(self, lease: LeaseCore) -> weakref.ref[LeaseCore]:
+        """Record ``lease`` (granted); the reference to give :meth:`remove`. (A forked child's
+        first question empties the record, its own leases with it: a record missing only
+        sends an acquire to the store.)"""
+        ref = weakref.ref(lease)
         with self._lock:
-            self._forked()
-            self.names.setdefault(lease.name, []).append(weakref.ref(lease))
+            self.names.setdefault(lease.name, []).append(ref)
+        return ref
 
-    def remove(self, lease: LeaseCore) -> None:
-        if lease.name not in self.names:
-            return
+    def remove(self, name: str, ref: weakref.ref[LeaseCore]) -> None:
         with self._lock:
-            held = self.names.get(lease.name)
-            if held is None:
-                return
-            held[:] = [ref for ref in held if (other := ref()) is not None and other is not lease]
-            if not held:
-                del self.names[lease.name]
+            held = self.names.get(name)
+            if held is not None and ref in held:
+                held.remove(ref)
+                if not held:
+                    del self.names[name]
 
     def drop(self, name: str) -> None:
         """Forget every lease on ``name`` (a force-release through this store object)."""

@@ -101,6 +101,7 @@ class LeaseCore:
         self._holds: Holds | None = getattr(store, "_holds", None)
         self._grant: Grant | None = None  # the current lease's grant, for local busy answers
         self._owner_info = ""  # and the owner JSON it was taken with
+        self._hold: Any = None  # this lease's entry in _holds while it is there
 
     # -- state (no I/O) ----------------------------------------------------------------------
 
@@ -165,9 +166,9 @@ class LeaseCore:
                 local = holds.busy(name, self.limit)
                 if local is not None:
                     result = local
-                elif self.limit != 1:
+                elif self.limit != 1 or name not in holds.queue:
                     result = yield (CALL, None, "acquire", args)
-                else:
+                else:  # waiters of this process wait for this attempt's outcome
                     holds.asks(name, 1)
                     try:
                         result = yield (CALL, None, "acquire", args)
@@ -213,7 +214,7 @@ class LeaseCore:
             self._granted(result, sent, self.ttl)
             self._grant, self._owner_info = result, args[2]
         if holds is not None:
-            holds.add(self)
+            self._hold = holds.add(self)
         if self.renew:
             yield renew(self)
         return True
@@ -231,8 +232,7 @@ class LeaseCore:
             return False
         if self._renewer is not None:
             yield unrenew(self)
-        if self._holds is not None:  # before the release: a waiter it wakes must not find it
-            self._holds.remove(self)
+        self._unhold()  # before the release: a waiter it wakes must not find the record
         try:
             return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
         finally:
@@ -344,17 +344,21 @@ class LeaseCore:
             self.expires_at = None
             self._grant = None
             observed, self._observed = self._observed, None
-        if self._holds is not None:
-            self._holds.remove(self)
+        self._unhold()
         if observed is not None:
             _observe.ended(observed)
+
+    def _unhold(self) -> None:
+        """Take this lease out of the store object's record of this process's leases."""
+        hold, self._hold = self._hold, None
+        if hold is not None and self._holds is not None:
+            self._holds.remove(self.name, hold)
 
     def _mark_lost(self, reason: str) -> None:
         with self._state:
             if self._owner is not None and self._lost_reason is None:
                 self._lost_reason = reason
-        if self._holds is not None:
-            self._holds.remove(self)
+        self._unhold()
 
     def _lose(self, reason: str) -> Steps[None]:
         """The lease is known lost: mark it, log a WARNING (name, token, reason) and call
