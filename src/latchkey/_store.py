@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from latchkey._claim import Claim
+from latchkey._core.holds import holds_for
 from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._lock import Lock, Semaphore
@@ -97,6 +98,8 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        #: This process's live leases through this store object (see _core/holds.py).
+        self._holds = holds_for(backend)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -115,7 +118,10 @@ class Store(StoreCore[Lock, Semaphore, Claim, Record]):
     def force_release(self, name: str) -> bool:
         """Drop every lease on ``name``, whoever holds it. The operator's lever: latchkey
         never calls it by itself. True if a live lease was dropped."""
-        return self.backend.force_release(validate_name(name))
+        name = validate_name(name)
+        if self._holds is not None:  # our own holders' records no longer vouch for it
+            self._holds.drop(name)
+        return self.backend.force_release(name)
 
     def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""

@@ -39,6 +39,21 @@ def test_counter_under_lock(
     assert int(counter.read_text()) == 8 * rounds
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_counter_under_lock_from_threads_of_several_processes(
+    store: latchkey.Store, store_url: str, name: str, tmp_path: Path, spawn: Any, mode: str
+) -> None:
+    """Issue 17: within a process the waiters learn from its own holder's record that the
+    name is busy, without the store; across processes exclusion is still the store's."""
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    rounds = 10 if store.scheme == "etcd" else 40
+    procs = [spawn(workers.count_under_lock_in_threads, store_url, name, str(counter), 4,
+                   rounds, mode) for _ in range(4)]  # fmt: skip
+    _join_all(procs)
+    assert int(counter.read_text()) == 4 * 4 * rounds
+
+
 @pytest.mark.requires("ttl")
 def test_killed_holder_frees_the_lock_after_its_ttl(
     store: latchkey.Store, store_url: str, name: str, spawn: Any

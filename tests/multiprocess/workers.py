@@ -24,6 +24,49 @@ def count_under_lock(url: str, name: str, counter: str, rounds: int) -> None:
     store.close()
 
 
+def count_under_lock_in_threads(
+    url: str, name: str, counter: str, threads: int, rounds: int, api: str
+) -> None:
+    """:func:`count_under_lock` from ``threads`` threads sharing one store object (``api``
+    "sync"), or as many coroutines of one AsyncStore ("async"): the waiters of one process
+    answered busy by its own holders' records (issue 17), those of the others by the store."""
+    path = Path(counter)
+    if api == "async":
+        import asyncio
+
+        async def main() -> None:
+            async with latchkey.connect_async(url) as astore:
+
+                async def one() -> None:
+                    for _ in range(rounds):
+                        async with astore.lock(name, ttl="30s", wait="120s"):
+                            value = int(path.read_text())
+                            await asyncio.sleep(0.0005)
+                            path.write_text(str(value + 1))
+
+                await asyncio.gather(*(one() for _ in range(threads)))
+
+        asyncio.run(main())
+        return
+    import threading
+
+    store = latchkey.connect(url)
+
+    def one() -> None:
+        for _ in range(rounds):
+            with store.lock(name, ttl="30s", wait="120s"):
+                value = int(path.read_text())
+                time.sleep(0.0005)
+                path.write_text(str(value + 1))
+
+    workers = [threading.Thread(target=one) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    store.close()
+
+
 def hold_until_killed(url: str, name: str, ttl: float, conn: Any) -> None:
     store = latchkey.connect(url)
     lock = store.lock(name, ttl=ttl)

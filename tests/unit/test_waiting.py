@@ -274,3 +274,68 @@ def test_the_waiter_is_closed_when_the_store_fails() -> None:
     else:
         raise AssertionError("the store's error was swallowed")
     assert waiter.outcome is None  # not told an outcome: there was none
+
+
+# -- turns within one process (issue 17, latchkey._core.holds) ----------------------------------
+
+
+def _waiting_with(store: FakeStore, holds: Any, *, wait: float) -> Grant | Busy:
+    attempts = Attempts(ARGS, store.clock, store.clock(), holds)
+    steps = wait_for(
+        attempts, Busy(1), wait=wait, limit=1, push=True, blocking=False, rng=random.Random(0)
+    )
+    return drive(steps, store)  # type: ignore[no-any-return]
+
+
+def test_a_waiter_does_not_race_an_attempt_of_its_process_in_flight() -> None:
+    from latchkey._core.holds import Holds
+
+    clock, log = FakeClock(), []
+    holds = Holds()
+    holds.asks("n", 1)  # another thread's attempt of "n" is in flight…
+
+    class Waiter(FakeWaiter):
+        def wait(self, timeout: float) -> bool:
+            woke = super().wait(timeout)
+            if clock.now > 0.1 and "n" in holds.asking:
+                holds.asks("n", -1)  # …and is answered (busy: it found another holder)
+            return woke
+
+    store = FakeStore(clock, lambda: Grant(7, None), Waiter(clock, log))
+    result = _waiting_with(store, holds, wait=10.0)
+    assert isinstance(result, Grant)
+    assert store.calls == ["wait_in_line", "acquire"]  # it asked once the other was done
+    assert not holds.queue  # and left the line
+
+
+def test_paced_is_never_the_answer_a_wait_ends_with_the_store_is_asked_once() -> None:
+    from latchkey._core.holds import PACED, Holds
+
+    clock, log = FakeClock(), []
+    holds = Holds()
+    holds.asks("n", 1)  # an attempt in flight for the whole wait
+    store = FakeStore(clock, lambda: Busy(1, None, 5.0), FakeWaiter(clock, log))
+    result = _waiting_with(store, holds, wait=1.0)
+    assert result is not PACED and result == Busy(1, None, 5.0)
+    assert store.calls == ["wait_in_line", "acquire"]  # the one ask, at the deadline
+    assert clock.now >= 1.0
+
+
+def test_waiters_of_a_process_ask_in_the_order_they_came_unless_woken() -> None:
+    from latchkey._core.holds import PACED, Holds
+
+    holds = Holds()
+    first, second = object(), object()
+    holds.join("n", first)
+    holds.join("n", second)
+    assert holds.answer("n", 1, first, False) is None  # the first waiter asks
+    assert holds.answer("n", 1, second, False) is PACED  # the second lets it go first…
+    assert holds.answer("n", 1, second, True) is None  # …unless a notice woke it
+    assert holds.answer("n", 3, second, False) is None  # semaphores take no turns
+    holds.asks("n", 1)
+    assert holds.answer("n", 1, first, True) is PACED  # an attempt in flight: wait for it
+    holds.asks("n", -1)
+    holds.leave("n", first)
+    assert holds.answer("n", 1, second, False) is None
+    holds.leave("n", second)
+    assert not holds.queue and not holds.asking

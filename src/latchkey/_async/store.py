@@ -15,6 +15,7 @@ from latchkey._async.claim import AsyncClaim
 from latchkey._async.lock import AsyncLock, AsyncSemaphore
 from latchkey._async.record import AsyncRecord
 from latchkey._async.rows import AsyncRows
+from latchkey._core.holds import holds_for
 from latchkey._core.store import DEFAULT_TTL, Health, StoreCore
 from latchkey._durations import Duration
 from latchkey._names import validate_name
@@ -71,6 +72,8 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
 
     def __init__(self, backend: AsyncBackend) -> None:
         self.backend = backend
+        #: This process's live leases through this store object (see _core/holds.py).
+        self._holds = holds_for(backend)
 
     # -- leases ------------------------------------------------------------------------------
 
@@ -90,7 +93,10 @@ class AsyncStore(StoreCore[AsyncLock, AsyncSemaphore, AsyncClaim, AsyncRecord]):
     async def force_release(self, name: str) -> bool:
         """Drop every lease on ``name``, whoever holds it. The operator's lever: latchkey
         never calls it by itself. True if a live lease was dropped."""
-        return await self.backend.force_release(validate_name(name))
+        name = validate_name(name)
+        if self._holds is not None:  # our own holders' records no longer vouch for it
+            self._holds.drop(name)
+        return await self.backend.force_release(name)
 
     async def purge_expired(self) -> int:
         """Delete expired lease rows (fencing counters stay); return how many."""

@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from latchkey import _observe
+from latchkey._core.holds import Holds
 from latchkey._core.ops import CALL, Steps, background, call, renew, sleep, unrenew, user
 from latchkey._core.waiting import Attempts, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
@@ -96,6 +97,11 @@ class LeaseCore:
         #: The shell's renewer (a thread or a task) while one runs; see ops.RENEW.
         self._renewer: Any = None
         self._state = threading.Lock()
+        #: The store object's record of this process's leases (None: not kept there).
+        self._holds: Holds | None = getattr(store, "_holds", None)
+        self._grant: Grant | None = None  # the current lease's grant, for local busy answers
+        self._owner_info = ""  # and the owner JSON it was taken with
+        self._hold: Any = None  # this lease's entry in _holds while it is there
 
     # -- state (no I/O) ----------------------------------------------------------------------
 
@@ -148,11 +154,29 @@ class LeaseCore:
         owner = new_owner_token()
         args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
         sent = time.monotonic()
+        holds = self._holds
         try:
-            result = yield (CALL, None, "acquire", args)
+            if holds is None:
+                result = yield (CALL, None, "acquire", args)
+            else:
+                # This process's own record may answer without the store (_core/holds.py):
+                # busy while another lease of it through this store object is live by its
+                # holder's clock. A mutex attempt is known to be in flight while it is.
+                name = self.name
+                local = holds.busy(name, self.limit)
+                if local is not None:
+                    result = local
+                elif self.limit != 1 or name not in holds.queue:
+                    result = yield (CALL, None, "acquire", args)
+                else:  # waiters of this process wait for this attempt's outcome
+                    holds.asks(name, 1)
+                    try:
+                        result = yield (CALL, None, "acquire", args)
+                    finally:
+                        holds.asks(name, -1)
             if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
                 caps = self._caps
-                attempts = Attempts(args, time.monotonic, sent)
+                attempts = Attempts(args, time.monotonic, sent, holds)
                 result = yield from wait_for(
                     attempts,
                     result,
@@ -188,6 +212,9 @@ class LeaseCore:
             self._renew_failure = None
             self.holder = None
             self._granted(result, sent, self.ttl)
+            self._grant, self._owner_info = result, args[2]
+        if holds is not None:
+            self._hold = holds.add(self)
         if self.renew:
             yield renew(self)
         return True
@@ -205,6 +232,7 @@ class LeaseCore:
             return False
         if self._renewer is not None:
             yield unrenew(self)
+        self._unhold()  # before the release: a waiter it wakes must not find the record
         try:
             return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
         finally:
@@ -314,14 +342,23 @@ class LeaseCore:
             self._lost_reason = None
             self.token = None
             self.expires_at = None
+            self._grant = None
             observed, self._observed = self._observed, None
+        self._unhold()
         if observed is not None:
             _observe.ended(observed)
+
+    def _unhold(self) -> None:
+        """Take this lease out of the store object's record of this process's leases."""
+        hold, self._hold = self._hold, None
+        if hold is not None and self._holds is not None:
+            self._holds.remove(self.name, hold)
 
     def _mark_lost(self, reason: str) -> None:
         with self._state:
             if self._owner is not None and self._lost_reason is None:
                 self._lost_reason = reason
+        self._unhold()
 
     def _lose(self, reason: str) -> Steps[None]:
         """The lease is known lost: mark it, log a WARNING (name, token, reason) and call

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from latchkey._core.holds import Holds
 from latchkey._core.lease import describe_holder
 from latchkey._core.ops import Steps, call, sleep, user
 from latchkey._durations import Duration, parse_duration, parse_ttl
@@ -88,6 +89,9 @@ class StoreCore(Generic[LockT, SemaphoreT, ClaimT, RecordT]):
     classes their factories make (``Lock`` or ``AsyncLock``, …)."""
 
     backend: BackendBase  # the shell's Backend or AsyncBackend
+    #: This process's live leases through this store object, where it may answer busy
+    #: without the store (see _core/holds.py); set by the shells.
+    _holds: Holds | None = None
     _lock_class: type[LockT]
     _semaphore_class: type[SemaphoreT]
     _claim_class: type[ClaimT]

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from latchkey._core.holds import PACED, Holds
 from latchkey._core.ops import Steps, call, on, sleep
 from latchkey._types import Busy, Grant
 
@@ -64,18 +65,50 @@ class Backoff:
 
 class Attempts:
     """The acquire attempts of one wait, all for the same owner; remembers when the last one
-    was sent (the holder's local deadline counts from there)."""
+    was sent (the holder's local deadline counts from there). With ``holds`` (the store
+    object's record of this process's leases and turns, ``_core/holds.py``) an attempt asks
+    the store only when that record has no answer."""
 
-    __slots__ = ("args", "clock", "sent")
+    __slots__ = ("args", "clock", "holds", "sent", "woken")
 
-    def __init__(self, args: tuple[Any, ...], clock: Callable[[], float], sent: float) -> None:
+    def __init__(
+        self,
+        args: tuple[Any, ...],
+        clock: Callable[[], float],
+        sent: float,
+        holds: Holds | None = None,
+    ) -> None:
         self.args = args  # (name, owner, owner_info, ttl, limit)
         self.clock = clock
         self.sent = sent
+        self.holds = holds
+        #: A release notice woke this wait since it last asked the store: it may ask before
+        #: the waiters of its process that came earlier (the notice was for it).
+        self.woken = False
 
     def attempt(self) -> Steps[Grant | Busy]:
+        """Ask the store, unless this process's own record answers: busy while a lease of
+        it through the same store object is live by its holder's clock; for a mutex, PACED
+        while an attempt of it is in flight or a waiter of it came first."""
+        if self.holds is not None:
+            local = self.holds.answer(self.args[0], self.args[4], self, self.woken)
+            if local is not None:
+                return local
+        return (yield from self.ask())
+
+    def ask(self) -> Steps[Grant | Busy]:
+        """Ask the store (a mutex attempt is known to be in flight meanwhile)."""
+        self.woken = False
         self.sent = self.clock()
-        return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
+        holds = self.holds
+        if holds is None or self.args[4] != 1:
+            return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
+        name = self.args[0]
+        holds.asks(name, 1)
+        try:
+            return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
+        finally:
+            holds.asks(name, -1)
 
     def block(self, timeout: float | None) -> Steps[Grant | Busy]:
         self.sent = self.clock()
@@ -109,15 +142,22 @@ def wait_for(
     if blocking:
         return (yield from _block_until(attempts, first, deadline, Backoff(rng=rng)))
     backoff = Backoff(cap=CAP_WITH_PUSH if push else CAP_POLLING, rng=rng)
-    waiter = yield call("wait_in_line", *attempts.args)
+    holds = attempts.holds if limit == 1 else None
+    if holds is not None:  # this process's mutex waiters take their turns in arrival order
+        holds.join(attempts.args[0], attempts)
     try:
-        result = yield from _wait_with(waiter, attempts, deadline, limit, backoff)
-        if waiter is not None:
-            yield on(waiter, "finish", result)
-        return result
+        waiter = yield call("wait_in_line", *attempts.args)
+        try:
+            result = yield from _wait_with(waiter, attempts, deadline, limit, backoff)
+            if waiter is not None:
+                yield on(waiter, "finish", result)
+            return result
+        finally:
+            if waiter is not None:
+                yield on(waiter, "close")
     finally:
-        if waiter is not None:
-            yield on(waiter, "close")
+        if holds is not None:
+            holds.leave(attempts.args[0], attempts)
 
 
 def _wait_with(
@@ -136,6 +176,8 @@ def _wait_with(
         assert isinstance(result, Busy)
         remaining = None if deadline is None else deadline - clock()
         if remaining is not None and remaining <= 0:
+            if result is PACED:  # another's turn is no answer: ask the store, once
+                result = yield from attempts.ask()
             return result
         if result.holders < limit and races < MAX_IMMEDIATE_RETRIES:
             races += 1
@@ -153,6 +195,7 @@ def _wait_with(
             grant = yield on(waiter, "take_grant")
             if grant is not None:  # the release handed the lease straight to us
                 return grant  # type: ignore[no-any-return]
+            attempts.woken = True
             backoff.reset()
 
 

@@ -142,6 +142,11 @@ class BackendBase:
     options: ClassVar[Mapping[str, Option]] = {}
     #: Options of the driver's own connection strings, passed through (None: none).
     driver_options: ClassVar[DriverOptions | None] = None
+    #: Whether an acquire of a name that a live lease of this process holds through the same
+    #: store object may be answered busy without asking the store (``latchkey._core.holds``).
+    #: False where an attempt does more than ask (ZooKeeper: a waiter's attempt refreshes its
+    #: node in line).
+    local_busy: ClassVar[bool] = True
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         self.url = url

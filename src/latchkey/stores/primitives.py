@@ -62,6 +62,8 @@ class Store:
     options: ClassVar[Mapping[str, Option]] = {}
     #: The driver's own connection-string options, passed through (see ``DriverOptions``).
     driver_options: ClassVar[DriverOptions | None] = None
+    #: See ``BackendBase.local_busy``.
+    local_busy: ClassVar[bool] = True
     #: ``"module:Class"`` of the sync driver (a :class:`~latchkey.stores.io.Driver`).
     sync_driver: ClassVar[str] = ""
     #: ``"module:Class"`` of the asyncio driver (an :class:`~latchkey.stores.io.aio.AsyncDriver`).
@@ -172,6 +174,7 @@ class StoreBackend(Backend):
                 store.options,
                 store.driver_options,
             )
+            cls.local_busy = store.local_busy
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)
@@ -331,6 +334,7 @@ class AsyncStoreBackend(AsyncBackend):
                 store.options,
                 store.driver_options,
             )
+            cls.local_busy = store.local_busy
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)

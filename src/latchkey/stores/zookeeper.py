@@ -90,6 +90,7 @@ class ZooKeeper(Line, Store):
     }
     sync_driver = "latchkey.stores.io.kazoo:KazooDriver"
     async_driver = "latchkey.stores.io.kazoo_async:AsyncKazooDriver"
+    local_busy = False  # a waiter's attempts refresh its node: none may be skipped
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
