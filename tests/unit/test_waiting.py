@@ -101,11 +101,12 @@ def waiting(
     limit: int = 1,
     push: bool = False,
     blocking: bool = False,
+    poll_share: float | None = None,
 ) -> Grant | Busy:
     attempts = Attempts((*ARGS[:4], limit), store.clock, store.clock())
     steps = wait_for(
         attempts, first, wait=wait, limit=limit, push=push, blocking=blocking,
-        rng=random.Random(0),
+        rng=random.Random(0), poll_share=poll_share,
     )  # fmt: skip
     return drive(steps, store)  # type: ignore[no-any-return]
 
@@ -139,6 +140,24 @@ def test_a_store_without_push_is_polled_by_the_core() -> None:
     assert isinstance(result, Busy)
     assert store.slept and max(store.slept) <= 0.25 and abs(clock.now - 1.0) < 1e-9
     assert store.calls.count("acquire") == len(store.slept) + 1
+
+
+def test_cheap_polls_are_bounded_by_a_share_of_the_time_waited() -> None:
+    """memcached (``poll_share`` 0.02): every pause is at most 2 % of the time waited so
+    far, 15 ms at least — where the plain backoff grows to 250 ms; a waiter further back in
+    its process's line keeps the slow polls."""
+    clock = FakeClock()
+    store = FakeStore(clock, lambda: Busy(1), None)
+    waiting(store, Busy(1), wait=30.0, poll_share=0.02)
+    waited = 0.0
+    for pause in store.slept:
+        assert pause <= max(0.015, 0.02 * waited) + 1e-9, (pause, waited)
+        waited += pause
+    assert max(store.slept[:20]) <= 0.015 and max(store.slept) > 0.2  # 250 ms after 12.5 s
+    clock, log = FakeClock(), []
+    behind = FakeStore(clock, lambda: Busy(1), FakeWaiter(clock, log, ahead=2))
+    waiting(behind, Busy(1), wait=10.0, poll_share=0.02)
+    assert min(log[:-1]) >= 1.0  # behind two others: CAP_WITH_PUSH x 3 (the last: the deadline)
 
 
 def test_sleeps_no_longer_than_the_holders_remaining_lease() -> None:

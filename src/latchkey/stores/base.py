@@ -59,6 +59,9 @@ class Capabilities:
     """``list()`` and ``purge_expired()`` see every lease."""
     push: bool = False
     """Blocked waiters are woken by the store on release (otherwise they poll with backoff)."""
+    poll_share: float | None = None
+    """Without push, polls cheap enough to bound by the wait: a waiter polls at least every
+    ``poll_share`` times the time it has waited (15 ms at least; ``_core/waiting.py``)."""
     blocking: bool = False
     """A blocked acquire waits inside the server (``pg_advisory_lock``, ``GET_LOCK(key, t)``)
     and is granted there the moment the holder releases: see :meth:`Backend.acquire_blocking`."""
