@@ -391,6 +391,43 @@ def test_a_cut_network_is_unavailable_not_busy(
         assert holder.release() is True
 
 
+SENTINEL = [p for p in DISCOVERED if p.id == "redis+sentinel"]
+
+
+@pytest.mark.parametrize("row", SENTINEL)
+def test_a_sentinel_cut_off_is_asked_last(
+    row: servers.StoreRow,
+    request: pytest.FixtureRequest,
+    proxied_setups: ProxiedSetups,
+    tmp_path: Path,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """The URL names two sentinels and the first one is cut off from the client (a
+    blackhole), the other one answers: a new connection asks for the master, and at most
+    one call fails (StoreUnavailable, within the timeout) before the store asks the other
+    sentinel first; the calls after it work. (Asked in the URL's order, the cut-off one held
+    every new connection until the request's deadline, asyncio's never reaching the other.)
+    """
+    timeout = 0.5
+    with _network(row, request, proxied_setups, tmp_path) as network:
+        server = proxied_setups.get(row)
+        first = server.extra["proxy_of"]["sentinel"]  # type: ignore[index]
+        first.set("blackhole")
+        store = connect(servers.with_query(network.url, timeout=f"{timeout:g}s"))
+        name = f"test:{uuid.uuid4().hex[:12]}"
+        answers: list[object] = []
+        for i in range(4):
+            started = time.monotonic()
+            try:
+                answers.append(store.lock(f"{name}:{i}", wait=0).acquire())
+            except StoreUnavailable as exc:
+                answers.append(exc)
+            took = time.monotonic() - started
+            assert took < timeout + 0.5, f"call {i}: {took:.2f}s, {answers[-1]!r}"
+        assert answers[1:] == [True] * 3, answers
+        assert answers[0] is True or isinstance(answers[0], StoreUnavailable), answers
+
+
 def _extends(lock: latchkey.Lock) -> bool:
     """Whether ``lock`` was extended: False if the store could not be reached (a connection
     the proxy cut, met once), LockLost if the lease is no longer its own."""

@@ -216,7 +216,7 @@ def start_cluster(
     ``tls``: every node serves TLS too (:func:`tls_arguments`) and the URL is
     ``rediss+cluster://`` to the first node's TLS port; ``extra["tls_ports"]``: plain port ->
     TLS port, ``extra["files"]``: the certificates. ``proxied``: each node behind a proxy
-    whose port it announces to clients (module docstring), the URL naming the first node's;
+    whose port it announces to clients (module docstring), the URL naming every node's;
     ``extra["proxies"]``: them all, broken and healed together (the caller closes them, after
     :meth:`RunningCluster.stop`)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -249,7 +249,9 @@ def start_cluster(
         proxies.close()
         raise
     first = next(iter(nodes))
-    url = f"redis+cluster://127.0.0.1:{fronts.get(first, first)}"
+    url = f"redis+cluster://127.0.0.1:{first}"
+    if proxied:  # every node a seed, as an application names them: each one's proxy
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in fronts.values())
     if tls:
         url = f"rediss+cluster://127.0.0.1:{tls_ports[first]}"
     return RunningCluster(

@@ -228,9 +228,11 @@ def start_setup(workdir: Path, tls: bool = False, proxied: bool = False) -> Runn
     ``rediss+sentinel://`` to the sentinel's TLS port; ``extra["tls_ports"]``: role -> TLS
     port, ``extra["files"]``: the certificates (:func:`tests.servers.redis.make_certificates`).
     ``proxied`` (not with ``tls``): each behind a proxy (module docstring), the URL naming the
-    sentinel's; ``extra["proxies"]``: them all, broken and healed together (the caller closes
-    them, after :meth:`RunningSetup.stop`). For network faults: not for failovers (a promoted
-    replica is named by its own port, past its proxy).
+    sentinel twice, through two proxies (to the client, two sentinels); ``extra["proxies"]``:
+    them all, broken and healed together (the caller closes them, after
+    :meth:`RunningSetup.stop`); ``extra["proxy_of"]``: role ("sentinel2": the second
+    address) -> its proxy. For network faults, not failovers (:meth:`RunningSetup.failover`
+    starts the nodes again without the announced port).
     """
     if tls and proxied:
         raise ValueError("a proxied setup speaks plain TCP")
@@ -245,11 +247,16 @@ def start_setup(workdir: Path, tls: bool = False, proxied: bool = False) -> Runn
         served = {role: free_port() for role in roles}
         args = {role: tls_arguments(files, served[role]) for role in roles}
         extra = {"tls_ports": served, "files": files}
+    sentinels = ""  # a proxied setup's URL names two sentinels (below)
     if proxied:
         proxies = Proxies([("127.0.0.1", ports[role]) for role in roles])
         served = {role: p.port for role, p in zip(roles, proxies.proxies, strict=True)}
+        # A second address of the one sentinel (another proxy in front of it): to the
+        # client, two sentinels, as deployments name several, cut off together.
+        sentinels = f",127.0.0.1:{proxies.add('127.0.0.1', ports['sentinel']).port}"
         args["replica"] = ["--replica-announce-port", str(served["replica"])]
-        extra = {"proxies": proxies}
+        proxy_of = dict(zip((*roles, "sentinel2"), proxies.proxies, strict=True))
+        extra = {"proxies": proxies, "proxy_of": proxy_of}
     launch = {
         "master": _node(workdir, ports["master"], *args["master"]),
         "replica": _node(  # replicates over a direct link: a proxy cuts clients off only
@@ -274,7 +281,7 @@ def start_setup(workdir: Path, tls: bool = False, proxied: bool = False) -> Runn
         raise
     scheme = "rediss+sentinel" if tls else "redis+sentinel"
     return RunningSetup(
-        url=f"{scheme}://127.0.0.1:{served['sentinel']}/{SERVICE}",
+        url=f"{scheme}://127.0.0.1:{served['sentinel']}{sentinels}/{SERVICE}",
         pid=pids["sentinel"], port=ports["sentinel"], workdir=workdir,
         extra={"ports": ports, "pids": pids, "launch": launch, **extra},
     )  # fmt: skip

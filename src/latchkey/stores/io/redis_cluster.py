@@ -36,7 +36,10 @@ retries, the core decides. A script is sent as EVALSHA and loaded on its slot's 
 go through the client's ``execute_command``.
 
 The client connects to the cluster when it is made, so it is made on first use (and again
-in a forked child, which leaves its parent's sockets alone).
+in a forked child, which leaves its parent's sockets alone), in a thread of its own: its
+constructor asks the URL's nodes in turn for the layout, each given the whole timeout, and a
+call waits for it only up to the timeout (then StoreUnavailable; the next call waits for the
+same making, or starts a new one if it failed).
 
 A :class:`~latchkey.stores.redis_cluster.Batch` of scripts (a claim's slots) goes in one
 pipeline per master (one round trip per node), each part's error answered as its reply: the
@@ -67,6 +70,8 @@ import functools
 import inspect
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -210,29 +215,64 @@ class ClusterDriver(Driver):
         self._masters: dict[str, Connections] = {}  # node name -> its idle connections
         self._lock = threading.Lock()
         self._reading: Any = None  # the client whose layout a background thread reads
+        self._making: Future[Any] | None = None  # the client being made
         after_fork(self)
 
     def forget_after_fork(self) -> None:
         # the parent's sockets: not ours to close
         self._client, self._listeners, self._masters = None, {}, {}
         self._lock = threading.Lock()
-        self._reading = None
+        self._reading, self._making = None, None
 
     @property
     def client(self) -> Any:
         """The cluster client, made (and connected) on first use."""
         client = self._client
         if client is None:
-            with self._lock:
-                if self._client is None:
-                    client = Client(
-                        **cluster_settings(self.store, self.backend.client),
-                        retry=Retry(NoBackoff(), 0),  # a primitive never retries
-                    )
-                    self._reread_later(client)
-                    self._client = client
-                client = self._client
+            client = self._made()
         return client
+
+    def _made(self) -> Any:
+        """The cluster client once made, in a thread of its own (module docstring), waited
+        for up to the timeout."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            making = self._making
+            if making is None:
+                making = self._making = Future()
+                threading.Thread(
+                    target=self._make, args=(making,), name="latchkey-cluster-client", daemon=True
+                ).start()
+        try:
+            return making.result(self.timeout)
+        except FutureTimeout:  # TimeoutError from Python 3.11 on, a class of its own before
+            raise redis.TimeoutError(
+                f"no node of the URL gave the cluster's layout within {self.timeout:g}s"
+            ) from None
+
+    def _make(self, making: Future[Any]) -> None:
+        try:
+            client = Client(
+                **cluster_settings(self.store, self.backend.client),
+                retry=Retry(NoBackoff(), 0),  # a primitive never retries
+            )
+        except BaseException as exc:
+            with self._lock:
+                if self._making is making:
+                    self._making = None  # the next call starts again
+            making.set_exception(exc)
+            return
+        self._reread_later(client)
+        with self._lock:
+            current = self._making is making
+            if current:
+                self._client, self._making = client, None
+        if not current:  # the store was closed meanwhile
+            client.close()
+            making.set_exception(redis.ConnectionError("the store was closed"))
+            return
+        making.set_result(client)
 
     def _reread_later(self, client: Any) -> None:
         """Every later re-read of ``client``'s layout (its first is done: the constructor
@@ -429,6 +469,7 @@ class ClusterDriver(Driver):
             listeners, self._listeners = self._listeners, {}
             masters, self._masters = self._masters, {}
             client, self._client = self._client, None
+            self._making = None  # a client made after this is closed by its maker
         for listener in listeners.values():
             listener.close()
         for master in masters.values():
