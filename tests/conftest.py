@@ -102,6 +102,7 @@ MODULE_SERVER = {
     "test_zookeeper_specific": "zookeeper",
     "test_fastapi": "redis",
     "test_celery": "redis",
+    "test_celery_green": "postgresql",  # and redis: a server start cheaper than PostgreSQL's
     "test_django": "postgresql",
 }
 

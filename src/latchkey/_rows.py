@@ -51,6 +51,17 @@ class Rows(RowsCore):
         once, so a take may skip them for that moment; None on SQLite: cannot tell)."""
         return run(self._status(limit), self.store.backend)
 
+    def notify(self) -> None:
+        """Tell the takers and lessees waiting for due rows of this table (``wait`` > 0) to
+        look now, after the rows were made due (committed). PostgreSQL: a NOTIFY, every
+        process (see :attr:`wake_sql` to send it from the application's own transaction or
+        a trigger); SQLite: every process on this machine; MySQL/MariaDB: this process only
+        (the others find the rows by their polls).
+
+        .. versionadded:: 0.2
+        """
+        run(self._notify(), self.store.backend)
+
     def take(self, limit: int = 1, wait: Duration = 0) -> TakeBatch:
         """Up to ``limit`` due rows locked in one transaction, for a ``with`` block:
         ``batch.execute`` runs statements in it; it commits at the end of the block, or rolls

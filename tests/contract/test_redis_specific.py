@@ -1224,3 +1224,37 @@ def test_a_release_does_not_wait_for_a_renewal_stuck_on_a_frozen_server(
         assert not lock.lost and lock.token is None
     finally:
         store.close()
+
+
+def test_async_a_release_does_not_wait_for_a_renewal_stuck_on_a_frozen_server(
+    redis_url: str, server_pool: ServerPool
+) -> None:
+    """The asyncio twin of the test above: the release cancels the renewal task in flight
+    (its round trip to the frozen server) and takes its own timeout, not the renewal's first;
+    the lock is released, not lost."""
+    server = server_pool.running["redis"]
+
+    async def main() -> float:
+        store = latchkey.connect_async(f"{redis_url}&timeout=1s")
+        try:
+            lock = store.lock("stuck-async", ttl="3s", renew=True)  # a renewal every second
+            assert await lock.acquire()
+            renewer = lock._renewer  # type: ignore[attr-defined]
+            with server.frozen():
+
+                async def renewing() -> bool:
+                    return bool(renewer._busy)
+
+                await _until(renewing, "a renewal in flight")
+                started = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await lock.release()
+                took = time.monotonic() - started
+            assert not lock.lost and lock.token is None
+            assert renewer._task.done()
+            return took
+        finally:
+            await store.aclose()
+
+    took = asyncio.run(main())
+    assert took < 1.6, f"the release took {took:.2f} s: it waited for the renewal"

@@ -5,7 +5,10 @@ the SQL stores, in the sync and the asyncio API; ``Unsupported`` everywhere else
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +19,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 import latchkey
+import latchkey._core.rows as rows_core
 from latchkey import InvalidName, InvalidValue, StoreUnavailable, Unsupported
+from latchkey._core.waiting import Backoff
 from tests.appdb import AppDB
 from tests.helpers import eventually
 from tests.servers import with_query
@@ -194,6 +199,141 @@ def test_wait_returns_a_row_inserted_later(store: latchkey.Store, db: AppDB) -> 
     finally:
         timer.join()
         later.close()
+
+
+def _count_asks(store: latchkey.Store, method: str) -> list[int]:
+    """Count the backend's ``method`` calls once each has answered (the real call still
+    happens): in the asyncio mode the facade's target is the AsyncBackend, whose primitive is
+    a coroutine."""
+    backend = store.backend
+    target = getattr(backend, "_target", backend)
+    real = getattr(target, method)
+    asks: list[int] = []
+    if inspect.iscoroutinefunction(real):
+
+        async def counted_async(*args: Any) -> Any:
+            answer = await real(*args)
+            asks.append(1)
+            return answer
+
+        setattr(target, method, counted_async)
+    else:
+
+        def counted(*args: Any) -> Any:
+            answer = real(*args)
+            asks.append(1)
+            return answer
+
+        setattr(target, method, counted)
+    return asks
+
+
+NOTIFY = """
+import sys, latchkey
+with latchkey.connect(sys.argv[1]) as store:
+    store.rows(sys.argv[2]).notify()
+"""
+
+
+@pytest.mark.parametrize("mode", ["take", "lease"])
+def test_a_notify_from_another_process_wakes_a_waiting_take_or_lease(
+    store: latchkey.Store, db: AppDB, store_url: str, mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """``rows.notify()`` after new rows commit wakes the batches waiting for due rows of
+    that table at once, in other processes too (PostgreSQL: a NOTIFY; SQLite: the doorbells
+    of this machine). Here a waiter would otherwise poll only every 15-30 s: it subscribes
+    after its first empty answer and asks once more; only then is the row inserted and the
+    notice sent, from another process."""
+    if store.scheme == "mysql":
+        pytest.skip("mysql: no push between processes (notify wakes this process's waiters)")
+    monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
+    table = db.create_events(0)
+    queue = store.rows(table, where="processed_at IS NULL")
+    asks = _count_asks(store, f"rows_{mode}")
+    got: dict[str, Any] = {}
+
+    def wait_for_rows() -> None:
+        batch_of = queue.take(limit=5, wait="60s") if mode == "take" else queue.lease(
+            limit=5, ttl="30s", wait="60s")  # fmt: skip
+        with batch_of as batch:
+            got["ids"] = [row["id"] for row in batch]
+
+    waiting = threading.Thread(target=wait_for_rows)
+    waiting.start()
+    try:
+        eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+        db.insert(table, [7])
+        subprocess.run([sys.executable, "-c", NOTIFY, store_url, table], check=True,
+                       timeout=60)  # fmt: skip
+        waiting.join(timeout=10)
+        assert not waiting.is_alive(), "the notice did not wake the waiting batch"
+        assert got["ids"] == [7] and len(asks) == 3
+    finally:
+        waiting.join()
+
+
+def test_notify_wakes_a_waiting_take_of_the_same_store_on_every_sql_store(
+    store: latchkey.Store, db: AppDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Within one process (MySQL/MariaDB too, whose waiters otherwise only poll): a notify
+    through the same store wakes its waiting takes."""
+    monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
+    table = db.create_events(0)
+    queue = store.rows(table, where="processed_at IS NULL")
+    asks = _count_asks(store, "rows_take")
+    got: dict[str, Any] = {}
+
+    def take() -> None:
+        with queue.take(limit=5, wait="60s") as batch:
+            got["ids"] = [row["id"] for row in batch]
+
+    waiting = threading.Thread(target=take)
+    waiting.start()
+    try:
+        eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+        db.insert(table, [3])
+        queue.notify()
+        waiting.join(timeout=10)
+        assert not waiting.is_alive(), "the notice did not wake the waiting take"
+        assert got["ids"] == [3]
+    finally:
+        waiting.join()
+
+
+def test_wake_sql_in_the_applications_own_transaction(
+    store: latchkey.Store, db: AppDB, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: ``rows.wake_sql`` (all literals) run in the transaction that inserts the
+    rows wakes the waiters when it commits; the other stores have none (None)."""
+    table = db.create_events(0)
+    queue = store.rows(table, where="processed_at IS NULL")
+    if store.scheme != "postgresql":
+        assert queue.wake_sql is None
+        return
+    wake = queue.wake_sql
+    assert wake is not None and wake.startswith("SELECT pg_notify('")
+    monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
+    asks = _count_asks(store, "rows_take")
+    got: dict[str, Any] = {}
+
+    def take() -> None:
+        with queue.take(limit=5, wait="60s") as batch:
+            got["ids"] = [row["id"] for row in batch]
+
+    waiting = threading.Thread(target=take)
+    waiting.start()
+    try:
+        eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+        db.execute("BEGIN")
+        db.insert(table, [5])
+        db.execute(wake)  # delivered at COMMIT, with the row
+        db.execute("COMMIT")
+        waiting.join(timeout=10)
+        assert not waiting.is_alive(), "the notice did not wake the waiting take"
+        assert got["ids"] == [5]
+    finally:
+        waiting.join()
 
 
 def test_two_takes_never_get_the_same_row(store: latchkey.Store, db: AppDB) -> None:

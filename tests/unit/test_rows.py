@@ -109,6 +109,9 @@ def test_take_waits_with_backoff_until_a_row_is_due() -> None:
             if kind == SLEEP:
                 sleeps.append(args[0])
                 op = steps.send(None)
+            elif target is None and method == "subscribe":  # a store without push: none
+                assert args == ("latchkey.rows:events",)
+                op = steps.send(None)
             elif target is None:
                 assert (kind, method, args) == (CALL, "rows_take", (take.spec, 2))
                 op = steps.send(answers.pop(0))
@@ -120,3 +123,58 @@ def test_take_waits_with_backoff_until_a_row_is_due() -> None:
         pass
     assert take.rows == [{"id": 1}] and finished == 2
     assert len(sleeps) == 2 and all(0 < s <= 0.25 for s in sleeps)
+
+
+class PushStore(FakeStore):
+    capabilities = Capabilities(rows=True, push=True)
+
+
+def test_a_waiting_take_subscribes_asks_again_and_wakes_on_a_notice() -> None:
+    """After an empty first answer: subscribe to the table's wake name, ask again at once (a
+    notice sent before the subscription is not lost), then wait on the waiter; a notice ends
+    the wait and the next ask finds the row; the waiter is closed at the end."""
+    take = TakeCore(RowsCore(PushStore(), "events"), limit=1, wait=30)
+    steps = take._begin()
+    waiter = object()
+    script: list[tuple[Any, str, Any]] = [
+        (None, "rows_take", Handle([])),
+        ("finish", "", None),
+        (None, "subscribe", waiter),
+        (None, "rows_take", Handle([])),
+        ("finish", "", None),
+        (waiter, "wait", True),  # woken by a notice
+        (None, "rows_take", Handle([{"id": 9}])),
+        (waiter, "close", None),
+    ]
+    op = next(steps)
+    seen = []
+    try:
+        while True:
+            kind, target, method, args = op
+            assert kind == CALL, op
+            seen.append((target, method))
+            expected_target, expected_method, answer = script.pop(0)
+            if expected_target == "finish":  # an empty batch's handle, finished at once
+                assert method == "finish"
+            else:
+                assert (target, method) == (expected_target, expected_method), seen
+            if method == "wait":
+                assert 0 < args[0] <= 0.005  # the first delay: a notice, not a poll, woke it
+            op = steps.send(answer)
+    except StopIteration:
+        pass
+    assert script == [] and take.rows == [{"id": 9}]
+
+
+def test_the_wake_statement_is_postgresqls_notify_on_the_lease_tables_channel() -> None:
+    store = object.__new__(PostgreSQL)
+    store.channel = "latchkey_leases"
+    wake = "latchkey.rows:app.events"
+    assert store.rows_wake_sql(wake) == (
+        f"SELECT pg_notify('latchkey_leases', '{wake.encode().hex()}')"
+    )
+    store.channel = "x'); DROP TABLE t; --"
+    with pytest.raises(ValueError, match="not spliced"):
+        store.rows_wake_sql(wake)
+    assert object.__new__(MySQL).rows_wake_sql(wake) is None
+    assert object.__new__(SQLite).rows_wake_sql(wake) is None

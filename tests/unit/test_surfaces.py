@@ -65,7 +65,7 @@ _AWAITED = {
     "Semaphore": {"acquire", "release", "extend"},
     "Claim": {"release", "release_all"},
     "Record": {"get", "set", "delete", "update"},
-    "Rows": {"status"},
+    "Rows": {"status", "notify"},
     "TakeBatch": {"execute"},
     "LeaseBatch": {"done", "execute"},
 }  # fmt: skip

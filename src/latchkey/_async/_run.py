@@ -102,6 +102,7 @@ class AsyncRenewer:
     def __init__(self, lease: LeaseCore, backend: AsyncBackend) -> None:
         loop = asyncio.get_running_loop()
         self._backend = backend
+        self._busy = False  # a renewal's round trip in flight (read by tests)
         self._task = loop.create_task(
             self._run(lease._renew_interval()), name=f"latchkey-renew:{lease.name[:40]}"
         )
@@ -123,9 +124,11 @@ class AsyncRenewer:
             lease = self._ref()
             if lease is None:
                 return
+            self._busy = True
             try:
                 next_delay = await arun(lease._renew_step(), self._backend)
             finally:
+                self._busy = False
                 del lease
             if next_delay is None:
                 return

@@ -45,6 +45,10 @@ class AsyncRows(RowsCore):
         """See :meth:`latchkey.Rows.status`."""
         return await arun(self._status(limit), self.store.backend)
 
+    async def notify(self) -> None:
+        """See :meth:`latchkey.Rows.notify`."""
+        await arun(self._notify(), self.store.backend)
+
     def take(self, limit: int = 1, wait: Duration = 0) -> AsyncTakeBatch:
         """See :meth:`latchkey.Rows.take`."""
         return AsyncTakeBatch(self, limit, wait)

@@ -30,7 +30,7 @@ from typing import Any
 
 from latchkey._core.lease import drift_margin
 from latchkey._core.ops import Steps, call, on, sleep
-from latchkey._core.waiting import CAP_POLLING, Backoff
+from latchkey._core.waiting import CAP_POLLING, CAP_WITH_PUSH, Backoff
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._owner import Owner, new_owner_token
 from latchkey._types import Grant, RowSpec, RowState
@@ -105,6 +105,20 @@ class RowsCore:
             None if columns is None else tuple(identifier(c, "column") for c in columns),
         )
 
+    @property
+    def wake_sql(self) -> str | None:
+        """PostgreSQL: a statement, all literals, that wakes the takers and lessees of this
+        table waiting for due rows in every process, when the transaction that runs it
+        commits: run it where rows become due (the transaction that inserts them, or an
+        ``AFTER INSERT … FOR EACH STATEMENT`` trigger's ``PERFORM``). None on the other
+        stores: there :meth:`notify` wakes the waiters it can, and the rest poll."""
+        dialect = getattr(self.store.backend, "store", None)
+        wake_sql = getattr(dialect, "rows_wake_sql", None)
+        return None if wake_sql is None else wake_sql(wake_name(self.spec))
+
+    def _notify(self) -> Steps[None]:
+        yield call("rows_notify", self.spec, wake_name(self.spec))
+
     def _status(self, limit: int) -> Steps[list[RowState]]:
         spec, limit = self.spec, check_limit(limit)
         return (yield call("rows_status", spec, limit))  # type: ignore[no-any-return]
@@ -128,18 +142,46 @@ class BatchCore:
         return bool(self.rows)
 
 
-def poll(first: Steps[Any], again: Any, wait: float, got: Any) -> Steps[Any]:
+def wake_name(spec: RowSpec) -> str:
+    """The name whose release notices wake the takers and lessees of ``spec``'s table waiting
+    for due rows (:meth:`latchkey.Rows.notify`): not a row's lease name (``<table>:<key>``)."""
+    return f"latchkey.rows:{spec.table}"
+
+
+def poll(
+    first: Steps[Any], again: Any, wait: float, got: Any, wake: str | None = None,
+    push: bool = False,
+) -> Steps[Any]:  # fmt: skip
     """Ask ``first`` (a step list that returns an answer); while ``got(answer)`` is false and
-    ``wait`` seconds have not passed, pause with capped backoff and ask ``again()``."""
+    ``wait`` seconds have not passed, pause with capped backoff and ask ``again()``.
+
+    ``wake``: a name to subscribe to (``Backend.subscribe``) once the first answer came back
+    empty, before the second ask, so a notice sent after that ask is never missed; a notice
+    ends the pause at once. On a store with push between processes (``push``) the pauses grow
+    to CAP_WITH_PUSH (the poll is then the safety net), else to CAP_POLLING (the waiter is
+    only woken from this process)."""
     deadline = time.monotonic() + wait
-    backoff = Backoff(cap=CAP_POLLING)
     answer = yield from first
-    while not got(answer):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        yield sleep(min(backoff.next(), remaining))
-        answer = yield from again()
+    if got(answer) or wait <= 0:
+        return answer
+    backoff = Backoff(cap=CAP_WITH_PUSH if push and wake else CAP_POLLING)
+    waiter = None if wake is None else (yield call("subscribe", wake))
+    try:
+        if waiter is not None:
+            answer = yield from again()
+        while not got(answer):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            delay = min(backoff.next(), remaining)
+            if waiter is None:
+                yield sleep(delay)
+            elif (yield on(waiter, "wait", delay)):
+                backoff.reset()
+            answer = yield from again()
+    finally:
+        if waiter is not None:
+            yield on(waiter, "close")
     return answer
 
 
@@ -148,6 +190,7 @@ class TakeCore(BatchCore):
 
     def __init__(self, rows: RowsCore, limit: int, wait: Duration) -> None:
         self.spec = rows.spec
+        self._push = rows.store.capabilities.push
         self.limit = check_limit(limit)
         self.wait = check_duration(wait, "wait")
         self.rows = []
@@ -163,7 +206,9 @@ class TakeCore(BatchCore):
     def _begin(self) -> Steps[None]:
         if self._handle is not None:
             raise InvalidValue("rows: this take batch is already open")
-        self._handle = yield from poll(self._ask(), self._ask, self.wait, bool)
+        self._handle = yield from poll(
+            self._ask(), self._ask, self.wait, bool, wake_name(self.spec), self._push
+        )
         self.rows = [] if self._handle is None else self._handle.rows
 
     def _execute(self, sql: str, params: Any) -> Steps[list[tuple[Any, ...]]]:
@@ -203,6 +248,7 @@ class LeaseCore(BatchCore):
         metadata: Mapping[str, Any] | None,
     ) -> None:
         self.spec = rows.spec
+        self._push = rows.store.capabilities.push
         self.limit = check_limit(limit)
         self.ttl = check_duration(ttl, "ttl", ttl=True)
         self.wait = check_duration(wait, "wait")
@@ -226,7 +272,9 @@ class LeaseCore(BatchCore):
     def _begin(self) -> Steps[None]:
         if self._held:
             raise InvalidValue("rows: this lease batch is already open")
-        leased = yield from poll(self._ask(), self._ask, self.wait, bool)
+        leased = yield from poll(
+            self._ask(), self._ask, self.wait, bool, wake_name(self.spec), self._push
+        )
         self._deadline = self._sent + self.ttl - drift_margin(self.ttl)
         self.rows = [row for row, _ in leased]
         self._grants = {self.name_of(row): grant for row, grant in leased}

@@ -301,6 +301,11 @@ class Backend(BackendBase, abc.ABC):
         """Up to ``limit`` due rows with their lease and lock state (``RowState``)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
+    def rows_notify(self, spec: RowSpec, wake: str) -> None:
+        """Wake the takers and lessees of ``spec``'s table waiting for due rows: those
+        subscribed to ``wake`` (in this process; in every process where the store can)."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
     # -- waiting, health, lifecycle ----------------------------------------------------------
 
     def subscribe(self, name: str) -> Waiter | None:
@@ -464,6 +469,9 @@ class AsyncBackend(BackendBase, abc.ABC):
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_notify(self, spec: RowSpec, wake: str) -> None:
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def subscribe(self, name: str) -> AsyncWaiter | None:

@@ -278,6 +278,10 @@ class StoreBackend(Backend):
         steps = self._rows().rows_status(spec, limit)
         return self._pinned(steps, "read rows", user=True)  # type: ignore[no-any-return]
 
+    def rows_notify(self, spec: RowSpec, wake: str) -> None:
+        self._pinned(self._rows().rows_notify(spec, wake), "notify")
+        self.lines.ring(wake)
+
     def _rows(self) -> RowClaims:
         if not self.capabilities.rows:
             raise Unsupported(f"the {self.scheme} store does not support row claiming")
@@ -439,6 +443,10 @@ class AsyncStoreBackend(AsyncBackend):
     async def rows_execute(self, sql: str, params: Any) -> RowTuples:
         steps = self._rows().rows_execute(sql, params)
         return await self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
+
+    async def rows_notify(self, spec: RowSpec, wake: str) -> None:
+        await self._pinned(self._rows().rows_notify(spec, wake), "notify")
+        self.lines.ring(wake)
 
     async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         steps = self._rows().rows_status(spec, limit)

@@ -383,6 +383,32 @@ class RowClaims:
         yield from self.released(tuple(names))  # type: ignore[attr-defined]
         return True
 
+    # -- waking the waiting takers and lessees -------------------------------------------------
+
+    def rows_wake_sql(self, wake: str) -> str | None:
+        """PostgreSQL: the statement that wakes the waiters subscribed to ``wake`` in every
+        process, when the transaction that runs it commits (a NOTIFY on the store's channel,
+        as a release sends), all literals: for the application's own transaction or trigger.
+        None on the other stores (no server push)."""
+        channel = getattr(self, "channel", None)
+        if self.ROWS is not POSTGRESQL or channel is None:
+            return None
+        if not re.fullmatch(r"[\w.]+", channel):
+            raise ValueError(f"not spliced into SQL: {channel!r}")
+        return f"SELECT pg_notify('{channel}', '{wake.encode().hex()}')"
+
+    def rows_notify(self, spec: RowSpec, wake: str) -> Steps[None]:
+        """Wake the waiters of ``wake``: PostgreSQL, a NOTIFY (every process); SQLite, the
+        doorbells of the waiters on this machine; MySQL/MariaDB have no push (the backend
+        wakes the waiters of this process; the others find the rows by polling)."""
+        sql = self.rows_wake_sql(wake)
+        if sql is not None:
+            yield Statement(sql)
+        elif self.ROWS is SQLITE:
+            from latchkey.stores.io.doorbell import Ring
+
+            yield Ring((wake,), True)
+
     # -- status (the CLI) ----------------------------------------------------------------------
 
     def rows_status(self, spec: RowSpec, limit: int) -> Steps[list[RowState]]:

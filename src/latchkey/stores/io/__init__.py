@@ -273,9 +273,12 @@ class Pinned:
         answer: Callable[[Any], Any],
         give_back: Callable[[Any, bool], None],
         user_error: Callable[[BaseException], bool],
+        begin: Callable[[], None] | None = None,
     ) -> None:
         self.driver, self.conn = driver, conn
         self._answer, self._give_back, self._user_error = answer, give_back, user_error
+        #: Called as each call starts (a driver that bounds a whole call by one deadline).
+        self._begin = begin
         self.broken = False
 
     def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
@@ -284,6 +287,8 @@ class Pinned:
         if self.conn is None:
             raise StoreUnavailable(f"{action}: the connection was already given back")
         try:
+            if self._begin is not None:
+                self._begin()
             return drive(steps, self._answer)
         except StoreUnavailable:
             self.broken = True

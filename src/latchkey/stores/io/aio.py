@@ -50,8 +50,10 @@ if sys.version_info >= (3, 11):
 
 else:  # pragma: no cover - 3.10
 
-    async def bounded(aw: Awaitable[T], seconds: float) -> T:
-        return await asyncio.wait_for(aw, seconds)
+    async def bounded(aw: Awaitable[T], seconds: float, start: float | None = None) -> T:
+        if start is not None:
+            seconds -= asyncio.get_running_loop().time() - start
+        return await asyncio.wait_for(aw, max(seconds, 0.0))
 
 
 async def to_the_end(request: Awaitable[T]) -> T:

@@ -18,8 +18,10 @@ its cursor and the store's ``setup()`` run on it. A connection that failed, time
 cancelled in the middle of a call is closed, never put back; one idle for ``IDLE_PING``
 seconds or more is pinged before use (the server may have ended it: restart, idle timeout,
 KILL; asyncmy offers no public way to see that without a round trip), and replaced if it does
-not answer. Requests and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`),
-and so is the choice of a host from a host list (the first that takes writes).
+not answer. Opening a connection or that ping, and the primitive after it, share one deadline:
+the call ends within the store's timeout from when it began to use its connection. Requests
+and answers are the sync driver's (:mod:`latchkey.stores.io.pymysql`), and so is the choice
+of a host from a host list (the first that takes writes).
 Over the application's own asyncmy or aiomysql connection, pool or SQLAlchemy AsyncEngine
 (``connect_async(client=…)``) the pool is a
 :class:`~latchkey.stores.io.asyncmy_borrowed.AsyncBorrowedPool` (that module says how it
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,6 +74,13 @@ IDLE_PING = 1.0
 # asyncmy logs the server's notes (CREATE TABLE IF NOT EXISTS on an existing table) at
 # warning level; they are expected at every connect, so the session does not raise them.
 QUIET = "SET sql_notes = 0"
+
+#: When the call in progress in this task began to use its connection: set by the pool's
+#: check or opening of one (the first of them, if a check failed and another was tried), so
+#: that they and the primitive after them end within one timeout. None: neither was needed.
+_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "latchkey_mysql_started", default=None
+)
 
 __all__ = ["ASYNC_DRIVER_ERRORS", "IDLE_PING", "AsyncmyDriver", "async_connect_args", "bounded"]
 
@@ -149,7 +159,7 @@ class AsyncmyDriver(AsyncDriver):
         )
 
     async def _open(self) -> Connection:
-        return await bounded(self._connect(), self.backend.timeout)
+        return await bounded(self._connect(), self.backend.timeout, _started())
 
     async def _connect(self) -> Connection:
         if self.hosts is None:
@@ -209,7 +219,7 @@ class AsyncmyDriver(AsyncDriver):
 
     async def _alive(self, pooled: Connection) -> bool:
         try:
-            await bounded(pooled.conn.ping(reconnect=False), self.backend.timeout)
+            await bounded(pooled.conn.ping(reconnect=False), self.backend.timeout, _started())
         except ASYNC_DRIVER_ERRORS:
             return False
         return True
@@ -219,19 +229,24 @@ class AsyncmyDriver(AsyncDriver):
 
     async def run(self, steps: Steps[T], action: str) -> T:
         """The primitive on one pooled connection, connected before the primitive starts (so
-        it knows whether the server prepared its statements). Opening, the idle ping and the
-        primitive are each bounded by the store's timeout; the turn for a connection is not
-        (it waits behind this loop's other calls, each of them bounded): 1,000 coroutines
-        polling one name queue for 8 connections for longer than a timeout under load."""
+        it knows whether the server prepared its statements). Opening or the idle ping, and
+        the primitive after it, end within one store timeout, counted from when the first of
+        them began; the turn for a connection is not bounded (it waits behind this loop's
+        other calls, each of them bounded): 1,000 coroutines polling one name queue for 8
+        connections for longer than a timeout under load."""
+        token = _STARTED.set(None)
         try:
             async with self.pool.connection(math.inf) as pooled:
-                return await bounded(adrive(steps, pooled.answer), self.backend.timeout)
+                started = _STARTED.get()
+                return await bounded(adrive(steps, pooled.answer), self.backend.timeout, started)
         except StoreUnavailable:
             raise
         except self.errors as exc:
             if self.hosts is not None and exc.args and exc.args[0] in READ_ONLY:
                 await self.pool.close()  # the others to the demoted primary (see pymysql.py)
             self.backend.unavailable(exc, action)
+        finally:
+            _STARTED.reset(token)
 
     async def aclose(self) -> None:
         await self.pool.close()
@@ -240,7 +255,11 @@ class AsyncmyDriver(AsyncDriver):
         """The twin of ``PyMySQLDriver.pin``: one pooled connection held across calls."""
         pool = self.pool
         with self.backend.translate("connect", self.errors):
-            pooled = await pool.get(self.backend.timeout)
+            token = _STARTED.set(None)  # (its calls are bounded one by one: AsyncPinned)
+            try:
+                pooled = await pool.get(self.backend.timeout)
+            finally:
+                _STARTED.reset(token)
             if hasattr(pooled, "hold"):  # borrowed: latchkey's settings for the transaction
                 try:
                     await bounded(pooled.hold(), self.backend.timeout)
@@ -266,6 +285,15 @@ async def statement(cur: Any, request: Statement) -> tuple[list[str] | None, lis
     while await cur.nextset():
         pass
     return columns, rows
+
+
+def _started() -> float:
+    """The loop time the call in progress began to use a connection (now, if it had not)."""
+    started = _STARTED.get()
+    if started is None:
+        started = asyncio.get_running_loop().time()
+        _STARTED.set(started)
+    return started
 
 
 def user_error(exc: BaseException) -> bool:

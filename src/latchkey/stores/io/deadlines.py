@@ -106,10 +106,11 @@ class Deadline:
     cancelled at the deadline, ``TimeoutError`` out of the block), with the keeper's one timer
     per loop. A plain ``with``: cancellation reaches a coroutine only where it awaits."""
 
-    __slots__ = ("cancelling", "deadline", "expired", "keeper", "seconds", "task")
+    __slots__ = ("cancelling", "deadline", "expired", "keeper", "seconds", "start", "task")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, start: float | None = None) -> None:
         self.seconds = seconds
+        self.start = start  # loop time the ``seconds`` count from (None: on entering)
         self.expired = False  # the keeper cancelled the task for it (not yet uncancelled)
 
     def expire(self) -> None:
@@ -123,7 +124,7 @@ class Deadline:
         if task is None:  # pragma: no cover - a coroutine always runs in a task here
             raise RuntimeError("Deadline needs a task")
         self.task = task
-        self.deadline = loop.time() + self.seconds
+        self.deadline = (loop.time() if self.start is None else self.start) + self.seconds
         self.cancelling = task.cancelling()  # type: ignore[attr-defined,unused-ignore]
         self.keeper = keeper(loop)
         self.keeper.add(self)
@@ -157,7 +158,8 @@ class Deadline:
         self.__exit__(exc_type, exc, tb)
 
 
-async def bounded(aw: Awaitable[T], seconds: float) -> T:
-    """Await ``aw`` for at most ``seconds``; ``TimeoutError`` after that (``aw`` cancelled)."""
-    with Deadline(seconds):
+async def bounded(aw: Awaitable[T], seconds: float, start: float | None = None) -> T:
+    """Await ``aw`` for at most ``seconds`` (counted from the loop time ``start`` if given:
+    a call whose first part ran before); ``TimeoutError`` after that (``aw`` cancelled)."""
+    with Deadline(seconds, start):
         return await aw

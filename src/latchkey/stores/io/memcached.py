@@ -61,7 +61,7 @@ import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from latchkey.errors import StoreUnavailable
-from latchkey.stores.io import Driver, Steps, after_fork, drive
+from latchkey.stores.io import Driver, Steps, after_fork, drive, green
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
@@ -157,7 +157,10 @@ class Connection:
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.timeout = timeout
-        if _KERNEL_TIMEOUTS:  # the kernel's per-call timeouts: a timed-out call is EAGAIN
+        # The kernel's per-call timeouts (a timed-out call is EAGAIN); not under green threads,
+        # whose sockets are nonblocking underneath: they wait on their hub, by the socket's
+        # own timeout, which stays set.
+        if _KERNEL_TIMEOUTS and not green.patched():
             whole = int(timeout)
             limit = struct.pack("@ll", whole, int((timeout - whole) * 1_000_000))
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
@@ -166,12 +169,16 @@ class Connection:
         self.buf = bytearray()
         self.session: Any = None
         self.idle_since = -math.inf  # when it was last taken from the pool (monotonic)
-        self._poll = select.poll()
-        self._poll.register(self.sock, select.POLLIN)
+        self._poll: Any = None
+        if hasattr(select, "poll"):  # (not under eventlet, which removes it: select())
+            self._poll = select.poll()
+            self._poll.register(self.sock, select.POLLIN)
 
     def stale(self) -> bool:
         """True if the server closed this idle connection (it never speaks unasked)."""
         try:
+            if self._poll is None:
+                return bool(select.select([self.sock], [], [], 0)[0])
             return bool(self._poll.poll(0))
         except (OSError, ValueError):
             return True

@@ -26,6 +26,11 @@ class Duplicate(Refused):
     """A duplicate key: the row was created first by another."""
 
 
+class Overdue(OSError):
+    """A call's deadline passed before its next statement was sent (the drivers bound a whole
+    call by one deadline): StoreUnavailable, with the connection or session in a known state."""
+
+
 REFUSED = {DEADLOCK: Contended, LOCK_WAIT_TIMEOUT: Contended, DUPLICATE_KEY: Duplicate}
 #: The server refused a write because it is read-only (1290: ``--read-only``; 1836: read-only
 #: mode): a primary demoted under us. Its connections are dropped; a new one looks for the

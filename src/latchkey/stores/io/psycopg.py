@@ -54,7 +54,7 @@ from latchkey._types import Busy, Grant
 from latchkey._url import DriverOptions, Option, StoreURL, choice, known_to
 from latchkey.errors import ConfigError, StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
-from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive
+from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive, psycopg_green
 from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.rows_sql import Statement
 from latchkey.stores.sql import Query
@@ -316,6 +316,19 @@ def connect(params: Mapping[str, Any]) -> psycopg.Connection[Any]:
 
 # -- connections -------------------------------------------------------------------------------
 
+_warned: list[bool] = []
+
+
+def _warn_waits_in_c() -> None:
+    """Once per process: psycopg's own waits block every green thread (eventlet)."""
+    if not _warned:
+        _warned.append(True)
+        log.warning(
+            "postgresql: green threads (eventlet) but psycopg waits in C: its connects and "
+            "queries stop every green thread while they wait, and a frozen server hangs the "
+            "process; set PSYCOPG_WAIT_FUNC=wait_select in the environment"
+        )
+
 
 class Session:
     """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
@@ -330,6 +343,9 @@ class Session:
         """Names of the statements :meth:`run_prepared` prepared on :attr:`conn`."""
         self._poller: Any = None  # a poll() object on conn's socket, made once per connection
         self._pid = os.getpid()
+        self.green = psycopg_green.patched()  # gevent/eventlet: statements wait on their hub
+        if self.green and psycopg_green.psycopg_waits_in_c():
+            _warn_waits_in_c()
 
     def run_prepared(
         self, name: bytes, query: bytes, params: Sequence[bytes],
@@ -351,11 +367,17 @@ class Session:
         pgconn = self.conn.pgconn
         for again in (True, False):
             if name not in self.prepared:
-                prepared = pgconn.prepare(name, query)
+                if self.green:  # libpq's blocking calls would stop every greenlet meanwhile
+                    prepared = psycopg_green.prepare(pgconn, name, query)
+                else:
+                    prepared = pgconn.prepare(name, query)
                 if prepared.status != COMMAND_OK:
                     raise result_error(prepared)
                 self.prepared.add(name)
-            result = pgconn.exec_prepared(name, params, formats, 1 if binary else 0)
+            if self.green:
+                result = psycopg_green.exec_prepared(pgconn, name, params, formats, int(binary))
+            else:
+                result = pgconn.exec_prepared(name, params, formats, 1 if binary else 0)
             status = result.status
             if status in (TUPLES_OK, COMMAND_OK):
                 return result

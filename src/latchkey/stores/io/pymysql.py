@@ -9,10 +9,26 @@ statements), so a primitive starts only once it holds a connection. A request is
 statement's row count. A server error :mod:`~latchkey.stores.io.mysql_session` maps in
 ``REFUSED`` is raised into the store's primitive as that ``Refused`` subclass (the statement
 was rolled back, the connection is kept; the store decides what it means); any other error
-closes the connection and becomes StoreUnavailable. Every socket operation is bounded by the
-store's timeout (PyMySQL's connect, read and write timeouts); the turn for a pooled
-connection is not (it waits behind this process's other calls, each of them bounded), as the
-wait for the one connection guarded by a lock was before. A URL with several hosts: a new
+closes the connection and becomes StoreUnavailable.
+
+One deadline per call: a call ends within the store's timeout, however many round trips it
+takes — opening its connection (TCP, handshake, the store's setup statements) and the
+primitive after it, or a multi-statement query whose result sets come back one after
+another. Before each statement and each further result set, the socket's timeout is set to
+the time the call has left (``settimeout`` on our own socket: PyMySQL has no public way to
+change a connection's read and write timeouts after connecting; it sets its socket's timeout
+only when those differ from the one it set last, and both are the store's timeout here, so
+it never undoes ours), or ``Overdue`` (an OSError) once the deadline has passed; a connection
+that timed out is discarded, never reused. The handshake runs inside PyMySQL's
+``connect()``, several round trips that cannot be bounded one by one: the watchdog
+(:mod:`latchkey.stores.io.watchdog`) shuts its socket down at the deadline. Cost: a call
+that ends within ``SLACK`` of starting makes no system call for this (one ``time.monotonic()``
+a statement); a longer one, a ``settimeout`` per read and one to set the whole timeout back
+at the next call. The turn for a pooled connection is not bounded (it waits behind this
+process's other calls, each of them bounded), as the wait for the one connection guarded by a
+lock was before: the deadline starts when the call has its connection, or begins to open one.
+Over a borrowed client the client's own socket timeouts apply
+(:mod:`~latchkey.stores.io.pymysql_borrowed`). A URL with several hosts: a new
 connection goes to the first that takes writes (:class:`~latchkey.stores.io.mysql_dsn.Hosts`,
 :func:`reach`), and a write refused as read-only drops the pool's other connections. Over the
 application's own connection or engine (``connect(client=…)``) the pool is a
@@ -48,7 +64,14 @@ from pymysql.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.io.mysql_dsn import WRITABLE, Hosts, address_text, hosts_of, read_only, reason
-from latchkey.stores.io.mysql_session import READ_ONLY, REFUSED, SESSION_ENDING, Refused
+from latchkey.stores.io.mysql_session import (
+    READ_ONLY,
+    REFUSED,
+    SESSION_ENDING,
+    Overdue,
+    Refused,
+)
+from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -60,16 +83,27 @@ T = TypeVar("T")
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (pymysql.err.MySQLError, OSError)
 #: Connections one backend opens at most; more concurrent calls queue for one.
 POOL_SIZE = 8
+#: How far (seconds) the socket's timeout may be off the time a call has left before it is
+#: set again: a call that ends within it pays no ``settimeout``; its bound is off by as much.
+SLACK = 0.01
 
 _SOCKETS: weakref.WeakKeyDictionary[Any, socket.socket] = weakref.WeakKeyDictionary()
 
 
-def connect(args: dict[str, Any], **more: Any) -> Any:
+def connect(args: dict[str, Any], deadline: float | None = None, **more: Any) -> Any:
     """``pymysql.connect(**args, **more)`` on a socket we opened (see the module docstring):
-    :func:`server_hung_up` and :func:`socket_of` then work on it without a round trip."""
+    :func:`server_hung_up` and :func:`socket_of` then work on it without a round trip.
+    ``deadline`` (monotonic): the TCP connect and the whole handshake end by then, however
+    many round trips the handshake takes (PyMySQL runs it in one call, each read bounded by
+    its read timeout: the watchdog shuts the socket down at the deadline instead)."""
     conn = pymysql.connect(**args, **more, defer_connect=True)
+    wait = args["connect_timeout"]
+    if deadline is not None:
+        wait = min(wait, deadline - time.monotonic())
     try:
-        sock = socket.create_connection((args["host"], args["port"]), args["connect_timeout"])
+        if wait <= 0:
+            raise TimeoutError("timed out")
+        sock = socket.create_connection((args["host"], args["port"]), wait)
     except OSError as exc:  # as PyMySQL reports it when it opens the socket itself
         host = args["host"]
         raise pymysql.err.OperationalError(
@@ -77,7 +111,20 @@ def connect(args: dict[str, Any], **more: Any) -> Any:
         ) from exc
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    conn.connect(sock)  # closes the socket if the handshake fails
+    if deadline is None:
+        conn.connect(sock)  # closes the socket if the handshake fails
+    else:
+        WATCHDOG.arm(sock, deadline - time.monotonic(), sock.fileno)
+        try:
+            conn.connect(sock)
+        except BaseException:
+            if WATCHDOG.disarm(sock):
+                raise TimeoutError(f"no answer within {args['read_timeout']:g}s") from None
+            raise
+        if WATCHDOG.disarm(sock):  # cut just as it answered: not to be used
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise TimeoutError(f"no answer within {args['read_timeout']:g}s")
     _SOCKETS[conn] = sock
     return conn
 
@@ -122,17 +169,23 @@ def drain(cur: Any, sql: str, params: Any) -> tuple[list[Any], int]:
 
 
 class Connection:
-    """One pooled connection, its one cursor and its socket's poll object."""
+    """One pooled connection, its one cursor, its socket and the socket's poll object; and
+    the deadline of the call it serves (see :meth:`begin`)."""
 
-    __slots__ = ("conn", "cur", "poll")
+    __slots__ = ("conn", "cur", "current", "deadline", "fresh", "poll", "sock", "timeout")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, timeout: float, deadline: float) -> None:
         self.conn = conn
         self.cur = conn.cursor()
+        self.sock = _SOCKETS[conn]
+        self.timeout = timeout
+        self.current = timeout  # the socket's timeout now (PyMySQL's read = write timeout)
+        self.deadline = deadline
+        self.fresh = True  # opened for the call in progress: its deadline is that call's
         self.poll: Callable[[int], object]
         if hasattr(select, "poll"):  # a third of the cost of select() at every call
             poller = select.poll()
-            poller.register(_SOCKETS[conn], select.POLLIN)
+            poller.register(self.sock, select.POLLIN)
             self.poll = poller.poll
         else:  # pragma: no cover - Windows
             self.poll = lambda _timeout: server_hung_up(conn)
@@ -141,15 +194,64 @@ class Connection:
         """False if the server has closed (or written to) this idle connection."""
         return not self.poll(0)
 
+    def begin(self) -> None:
+        """A call starts on this connection: it ends within the store's timeout from now
+        (a connection opened for it: from when the opening started)."""
+        if self.fresh:
+            self.fresh = False
+        else:
+            self.deadline = time.monotonic() + self.timeout
+
+    def bound(self) -> None:
+        """Before each read or write of the call: the socket's timeout is the time left
+        (set only when the one in place would overrun the deadline by more than ``SLACK``,
+        or is shorter than a new call needs: a call that ends quickly costs no system
+        call); past the deadline, ``Overdue`` (an OSError: the connection is then discarded,
+        as a result set may be left unread)."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise Overdue(f"no answer within {self.timeout:g}s")
+        if not -SLACK <= self.current - left <= SLACK:
+            self.sock.settimeout(left)
+            self.current = left
+
+    def drain(self, sql: str, params: Any) -> tuple[list[Any], int]:
+        """:func:`drain`, each read bounded by the call's deadline."""
+        cur = self.cur
+        self.bound()
+        cur.execute(sql, params or None)
+        rows: list[Any] = []
+        count: int = cur.rowcount
+        while True:
+            if cur.description:
+                rows = list(cur.fetchall())
+            else:
+                count = cur.rowcount
+            self.bound()  # (a next result set is read only if there is one)
+            if not cur.nextset():
+                return rows, count
+
     def answer(self, request: Any) -> Any:
         sql, params, _ = request
         try:
-            return drain(self.cur, sql, params)
+            return self.drain(sql, params)
         except pymysql.err.MySQLError as exc:
             refused = REFUSED.get(exc.args[0]) if exc.args else None
             if refused is None:
                 raise
             raise refused(*exc.args) from exc
+
+    def statement(self, request: Statement) -> tuple[list[str] | None, list[Any]]:
+        """:func:`statement`, each read bounded by the call's deadline."""
+        cur = self.cur
+        self.bound()
+        cur.execute(request.sql, request.params)
+        columns = [column[0] for column in cur.description] if cur.description else None
+        rows = list(cur.fetchall()) if columns is not None else []
+        while True:
+            self.bound()
+            if not cur.nextset():
+                return columns, rows
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -172,25 +274,30 @@ class PyMySQLDriver(Driver):
             self.hosts = Hosts(addresses)
 
     def _open(self) -> Connection:
+        """A new connection for the call that asked for it: opening it (TCP, handshake,
+        the store's setup) and then the call itself end within one timeout from now."""
+        timeout = self.backend.timeout
+        deadline = time.monotonic() + timeout
         if self.hosts is None:
-            conn = connect(self.store.connect_args, client_flag=CLIENT.MULTI_STATEMENTS)
+            conn = connect(self.store.connect_args, deadline, client_flag=CLIENT.MULTI_STATEMENTS)
         else:
-            conn = self._writable(self.hosts)
+            conn = self._writable(self.hosts, deadline)
         try:
-            pooled = Connection(conn)
+            pooled = Connection(conn, timeout, deadline)
             for sql, params, _ in self.store.setup(str(conn.get_server_info())):
-                drain(pooled.cur, sql, params)
+                pooled.drain(sql, params)
         except BaseException:
             with contextlib.suppress(Exception):
                 conn.close()
             raise
         return pooled
 
-    def _writable(self, hosts: Hosts) -> Any:
+    def _writable(self, hosts: Hosts, deadline: float) -> Any:
         """A connection to the first host, in ``hosts``' order, that takes writes; each host
-        gets its share of what is left of the connect timeout (:func:`reach`)."""
+        gets its share of what is left of the connect timeout, and of the call's ``deadline``
+        (:func:`reach`)."""
         args = self.store.connect_args
-        deadline = time.monotonic() + args["connect_timeout"]
+        deadline = min(deadline, time.monotonic() + args["connect_timeout"])
         order = hosts.order()
         tried: list[str] = []  # host:port: why not, one each
         for step, index in enumerate(order):
@@ -221,6 +328,7 @@ class PyMySQLDriver(Driver):
         try:
             pooled = pool.get()
             try:
+                pooled.begin()
                 result = drive(steps, pooled.answer)
             except Refused:  # rolled back: the connection is fine
                 pool.put(pooled)
@@ -255,13 +363,13 @@ class PyMySQLDriver(Driver):
 
         def answer(request: Any) -> Any:
             if type(request) is Statement:
-                return statement(pooled.cur, request)
+                return pooled.statement(request)
             return pooled.answer(request)
 
         def give_back(pooled: Connection, reuse: bool) -> None:
             (pool.put if reuse else pool.discard)(pooled)
 
-        return Pinned(self, pooled, answer, give_back, user_error)
+        return Pinned(self, pooled, answer, give_back, user_error, pooled.begin)
 
 
 def reach(args: dict[str, Any], host: str, port: int, seconds: float) -> tuple[Any, str | None]:
@@ -273,8 +381,13 @@ def reach(args: dict[str, Any], host: str, port: int, seconds: float) -> tuple[A
     it never undoes that one: as for a wait in :mod:`latchkey.stores.io.sessions_pymysql`.)"""
     brief = {**args, "host": host, "port": port, "connect_timeout": seconds,
              "read_timeout": seconds, "write_timeout": seconds}  # fmt: skip
-    conn = connect(brief, client_flag=CLIENT.MULTI_STATEMENTS)
+    deadline = time.monotonic() + seconds
+    conn = connect(brief, deadline, client_flag=CLIENT.MULTI_STATEMENTS)
     try:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer within {seconds:g}s")
+        _SOCKETS[conn].settimeout(left)
         with conn.cursor() as cur:
             cur.execute(WRITABLE)
             why = read_only(cur.fetchone())

@@ -48,7 +48,8 @@ from pymysql.constants import CLIENT, SERVER_STATUS
 
 from latchkey.errors import ConfigError
 from latchkey.stores.io.mysql_session import REFUSED
-from latchkey.stores.io.pymysql import DRIVER_ERRORS, drain
+from latchkey.stores.io.pymysql import DRIVER_ERRORS, drain, statement
+from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
     from latchkey.stores.io.pymysql import PyMySQLDriver
@@ -132,6 +133,12 @@ class BorrowedConnection:
             if refused is None:
                 raise
             raise refused(*exc.args) from exc
+
+    def begin(self) -> None:
+        """A call starts: nothing to bound (the client's own socket timeouts apply)."""
+
+    def statement(self, request: Statement) -> tuple[list[str] | None, list[Any]]:
+        return statement(self.cur, request)
 
     def hold(self) -> None:
         """latchkey's settings until :meth:`restore` (a take's transaction)."""

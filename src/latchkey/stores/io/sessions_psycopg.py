@@ -27,6 +27,7 @@ from typing import Any, ClassVar, TypeVar
 
 import psycopg
 
+from latchkey.stores.io import psycopg_green
 from latchkey.stores.io.aio import bounded, cut_after
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
@@ -91,6 +92,7 @@ class PsycopgSessions(SessionDriver):
         super().__init__(backend, store)
         self.params = connection_params(backend.url, backend.config, application_name())
         self.guard = self.timeout + MARGIN
+        self.green = psycopg_green.patched()  # gevent/eventlet: statements wait on the hub
 
     def connect(self, spare: bool) -> PgSession:
         return PgSession(psycopg.connect(autocommit=True, **self.params), spare)
@@ -104,11 +106,17 @@ class PsycopgSessions(SessionDriver):
             pgconn = session.conn.pgconn
             for again in (True, False):
                 if name not in session.prepared:
-                    prepared = pgconn.prepare(name, statement.text.encode())
+                    if self.green:  # libpq's blocking calls would stop every greenlet
+                        prepared = psycopg_green.prepare(pgconn, name, statement.text.encode())
+                    else:
+                        prepared = pgconn.prepare(name, statement.text.encode())
                     if prepared.status != COMMAND_OK and not prepared_already(prepared):
                         raise result_error(prepared)
                     session.prepared.add(name)
-                result = pgconn.exec_prepared(name, params)
+                if self.green:
+                    result = psycopg_green.exec_prepared(pgconn, name, params)
+                else:
+                    result = pgconn.exec_prepared(name, params)
                 if result.status == TUPLES_OK:
                     return _yes(result)
                 if not (again and deallocated(result)):
