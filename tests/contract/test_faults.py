@@ -6,20 +6,23 @@ A store failure is StoreUnavailable (a ConnectionError) within the configured ti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import re
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 import latchkey
 from latchkey import LockLost, StoreUnavailable
 from tests import servers
-from tests.faults.proxy import Proxy
+from tests.conftest import ROWS, _unavailable
+from tests.faults.proxy import Proxies
 from tests.helpers import eventually
 
 
@@ -151,9 +154,104 @@ def _works(store: latchkey.Store, name: str) -> bool:
     return True
 
 
-def test_a_holder_cut_off_from_its_server_learns_why_its_lease_was_lost(
+# -- the network between the clients and the servers, cut through proxies -------------------
+
+
+class Cut(NamedTuple):
+    """A test's store behind proxies, and the proxies that break its network."""
+
+    url: str  # the store's URL for this test: every connection it opens passes a proxy
+    other: str  # a URL for a second store, to see what the server did (used once healed)
+    proxies: Proxies
+
+
+class ProxiedSetups:
+    """The setups of the rows that discover their servers (``StoreRow.proxied``: a cluster
+    whose nodes announce proxies, a sentinel that names a proxied master), each started on
+    first use and stopped by pid at the end of the module."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.running: dict[str, servers.RunningServer] = {}
+        self.failed: dict[str, str] = {}
+
+    def get(self, row: servers.StoreRow) -> servers.RunningServer:
+        assert row.proxied is not None
+        if row.id in self.failed:
+            raise servers.ServerUnavailable(self.failed[row.id])
+        if row.id not in self.running:
+            try:
+                self.running[row.id] = row.proxied(self.workdir / row.id.replace("+", "-"))
+            except servers.ServerUnavailable as exc:
+                self.failed[row.id] = str(exc)
+                raise
+        return self.running[row.id]
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()
+            server.extra["proxies"].close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def proxied_setups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedSetups]:
+    setups = ProxiedSetups(tmp_path_factory.mktemp("proxied"))
+    try:
+        yield setups
+    finally:
+        setups.stop()
+
+
+@contextlib.contextmanager
+def _network(
+    row: servers.StoreRow,
+    request: pytest.FixtureRequest,
+    setups: ProxiedSetups,
+    tmp_path: Path,
+) -> Iterator[Cut]:
+    """A proxy in front of the URL's address; for a row that discovers its servers, its
+    proxied setup (each client connection through a proxy), healed again afterwards."""
+    if row.server is None:
+        pytest.skip(f"{row.id}: embedded store, no network to cut")
+    if row.proxied is not None:
+        try:
+            server = setups.get(row)
+        except servers.ServerUnavailable as exc:
+            _unavailable(row, str(exc))
+        proxies: Proxies = server.extra["proxies"]  # type: ignore[assignment]
+        url = row.isolate(server.url, uuid.uuid4().hex[:12], tmp_path)
+        try:
+            yield Cut(url, url, proxies)
+        finally:
+            proxies.reset()  # the stuck pumps of a blackhole, the lost answers of a mute
+            proxies.heal()
+        return
+    if row.discovers:
+        pytest.skip(f"{row.id}: the client bypasses a proxy at the URL's address")
+    store_url: str = request.getfixturevalue("store_url")
+    found = re.search(r"(127\.0\.0\.1|localhost):(\d+)", store_url)
+    assert found, store_url
+    proxies = Proxies([("127.0.0.1", int(found.group(2)))])
+    try:
+        yield Cut(_with_port(store_url, proxies.proxies[0].port), store_url, proxies)
+    finally:
+        proxies.close()
+
+
+@pytest.fixture
+def cut(
     store_row: servers.StoreRow,
-    store_url: str,
+    request: pytest.FixtureRequest,
+    proxied_setups: ProxiedSetups,
+    tmp_path: Path,
+) -> Iterator[Cut]:
+    """The row's store behind proxies (:func:`_network`)."""
+    with _network(store_row, request, proxied_setups, tmp_path) as network:
+        yield network
+
+
+def test_a_holder_cut_off_from_its_server_learns_why_its_lease_was_lost(
+    cut: Cut,
     name: str,
     connect: Callable[[str], latchkey.Store],
     caplog: pytest.LogCaptureFixture,
@@ -161,82 +259,183 @@ def test_a_holder_cut_off_from_its_server_learns_why_its_lease_was_lost(
     """A renewing holder whose connections are blackholed (a partition that drops packets)
     keeps retrying while its lease lasts, then reports it lost — through on_lost, one warning
     and check() — with the renewal's failure as the reason, not a bare "lease expired"; once
-    the network heals, the lease has ended on the server too and someone else gets it."""
-    if store_row.server is None:
-        pytest.skip(f"{store_row.id}: embedded store, no network to cut")
-    if store_row.discovers:  # cluster and Sentinel: tests/contract/test_redis_cluster_specific.py
-        pytest.skip(f"{store_row.id}: the client bypasses a proxy at the URL's address")
-    found = re.search(r"(127\.0\.0\.1|localhost):(\d+)", store_url)
-    assert found, store_url
-    proxy = Proxy("127.0.0.1", int(found.group(2)))
-    try:
-        store = connect(servers.with_query(_with_port(store_url, proxy.port), timeout="300ms"))
-        if not store.capabilities.ttl:
-            store.close()
-            pytest.skip(f"{store_row.id}: the lease lives as long as the session, no TTL to end")
-        calls: list[object] = []
-        lock = store.lock(name, ttl="2s", renew=True, on_lost=calls.append)
-        assert lock.acquire()
-        with caplog.at_level(logging.WARNING, logger="latchkey"):
-            proxy.set("blackhole")
-            eventually(lambda: calls, timeout=15, what="on_lost called by the renewer")
-        assert len(calls) == 1 and lock.lost
-        lost = [r.message for r in caplog.records if "lost (token" in r.message]
-        assert len(lost) == 1 and "could not renew before the lease ended" in lost[0], lost
-        with pytest.raises(LockLost, match="could not renew before the lease ended"):
-            lock.check()
-        proxy.heal()
-        other = connect(store_url)
-        eventually(
-            lambda: other.lock(name, ttl="10s", wait=0).acquire(),
-            timeout=15,
-            what="the lease ended on the server too",
-        )
-        other.close()
-        store.close()
-    finally:
-        proxy.close()
+    the network heals, the lease has ended on the server too and someone else gets it.
+    On a cluster and behind Sentinel, every connection is cut: to the nodes the cluster
+    announced, to the sentinel and to the master it named."""
+    store = connect(servers.with_query(cut.url, timeout="300ms"))
+    if not store.capabilities.ttl:
+        pytest.skip(f"{store.scheme}: the lease lives as long as the session, no TTL to end")
+    calls: list[object] = []
+    lock = store.lock(name, ttl="2s", renew=True, on_lost=calls.append)
+    assert lock.acquire()
+    with caplog.at_level(logging.WARNING, logger="latchkey"):
+        cut.proxies.set("blackhole")
+        eventually(lambda: calls, timeout=15, what="on_lost called by the renewer")
+    assert len(calls) == 1 and lock.lost
+    lost = [r.message for r in caplog.records if "lost (token" in r.message]
+    assert len(lost) == 1 and "could not renew before the lease ended" in lost[0], lost
+    with pytest.raises(LockLost, match="could not renew before the lease ended"):
+        lock.check()
+    cut.proxies.reset()  # the clients' timeouts closed their ends; drop the stuck pumps too
+    cut.proxies.heal()
+    other = connect(cut.other)
+    eventually(
+        lambda: other.lock(name, ttl="10s", wait=0).acquire(),
+        timeout=15,
+        what="the lease ended on the server too",
+    )
 
 
 def test_an_acquire_whose_answer_was_lost_gives_the_lease_back(
-    store_row: servers.StoreRow,
-    store_url: str,
+    cut: Cut,
     name: str,
     connect: Callable[[str], latchkey.Store],
 ) -> None:
     """The acquire reaches the server, which grants it, but its answer is lost (a proxy that
     drops the server's replies): the caller gets StoreUnavailable within its timeout, and the
     lease it cannot know it holds is given back in the background once the network heals,
-    instead of holding the name until the lease's end."""
-    if store_row.server is None:
-        pytest.skip(f"{store_row.id}: embedded store, no network to cut")
-    if store_row.discovers:  # cluster and Sentinel: the client bypasses a proxy
-        pytest.skip(f"{store_row.id}: the client bypasses a proxy at the URL's address")
-    found = re.search(r"(127\.0\.0\.1|localhost):(\d+)", store_url)
-    assert found, store_url
-    proxy = Proxy("127.0.0.1", int(found.group(2)))
+    instead of holding the name until the lease's end. The connection is opened, on the
+    name's own server (a cluster's slot master), before the fault: a connection opened
+    during it would lose its handshake's answer, and the acquire would never be sent."""
+    store = connect(servers.with_query(cut.url, timeout="1s"))
+    other = connect(cut.other)
+    if not store.capabilities.ttl:
+        pytest.skip(f"{store.scheme}: a session lock ends with its connection already")
+    with store.lock(name, ttl="10s"):  # the connection open before the fault
+        pass
+    cut.proxies.set("mute")
+    started = time.monotonic()
+    with pytest.raises(latchkey.StoreUnavailable):
+        store.lock(name, ttl="60s", wait=0).acquire()
+    assert time.monotonic() - started < 1.0 + 2.0  # the timeout, latchkey's margin, slack
+    cut.proxies.heal()
+    eventually(  # given back long before the 60 s lease would have ended
+        lambda: other.lock(name, ttl="10s", wait=0).acquire(),
+        timeout=20,
+        what="the lost grant given back",
+    )
+
+
+#: The rows whose servers are found through the URL's address, with a proxied setup: each
+#: in the xdist group of its server kind, as the store_row tests are (tests/conftest.py).
+DISCOVERED = [
+    pytest.param(row, id=row.id, marks=pytest.mark.xdist_group(row.server))
+    for row in ROWS
+    if row.proxied is not None
+]
+
+
+@pytest.mark.parametrize("fault", ["blackhole", "reset"])
+@pytest.mark.parametrize("row", DISCOVERED)
+def test_a_cut_network_is_unavailable_not_busy(
+    row: servers.StoreRow,
+    fault: str,
+    request: pytest.FixtureRequest,
+    proxied_setups: ProxiedSetups,
+    tmp_path: Path,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """A cluster, or a Sentinel's master, cut off from the clients on every path they use —
+    the connections to the nodes the cluster announced, to the sentinel and to the master it
+    named — with connections open and idle when the fault comes. ``blackhole``: every call
+    (extend, inspect, an acquire with and without a wait, on the held name and a free one,
+    on a store whose first connection is opened during the fault) raises StoreUnavailable
+    within the timeout and a small margin, never "busy", however many nodes the client knows.
+    ``reset``: every connection closed by a TCP reset; a call either raises StoreUnavailable
+    or gives the right answer, and the next one works. After the fault, the holder still
+    holds its lease. (The other rows: a blackhole looks to the client as a frozen server
+    does, ``test_a_frozen_server_is_unavailable_within_the_timeout``.)"""
+    timeout = 0.5
+    with _network(row, request, proxied_setups, tmp_path) as network:
+        url = servers.with_query(network.url, timeout=f"{timeout:g}s")
+        store, other = connect(url), connect(url)
+        name = f"test:{uuid.uuid4().hex[:12]}"
+        holder = store.lock(name, ttl="60s")
+        assert holder.acquire()  # connections open, idle when the fault comes
+        assert other.inspect(f"{name}:free") is None
+        calls: list[tuple[str, Callable[[], object], object]] = [
+            ("extend", holder.extend, None),
+            ("inspect", lambda: store.inspect(name) is not None, True),
+            ("acquire of the held name", lambda: other.lock(name, wait=0).acquire(), False),
+            ("acquire of a free name", lambda: other.lock(f"{name}:free", wait=0).acquire(),
+             True),
+            ("acquire with a wait", lambda: other.lock(f"{name}:w", wait="1s").acquire(), True),
+            ("acquire on a new store", lambda: connect(url).lock(f"{name}:n", wait=0).acquire(),
+             True),
+        ]  # fmt: skip
+        if fault == "blackhole":
+            network.proxies.set("blackhole")
+        else:
+            network.proxies.reset()
+        failed = []
+        for what, call, right in calls:
+            started = time.monotonic()
+            try:
+                answer = call()
+            except StoreUnavailable:
+                failed.append(what)
+            else:
+                assert fault == "reset", f"{what}: answered {answer!r} through a blackhole"
+                assert answer == right, f"{what}: answered {answer!r}, not {right!r}"
+            took = time.monotonic() - started
+            limit = timeout + 0.5 + (1.0 if "wait" in what else 0.0)
+            assert took < limit, f"{what}: {took:.2f}s to report the cut ({fault})"
+        if fault == "reset":
+            for what, call, right in calls:  # once each has met its reset connection
+                if what in failed:
+                    assert call() == right, f"{what}: wrong after the reset"
+        network.proxies.reset()  # the blackhole's stuck connections; after a reset, none left
+        network.proxies.heal()
+        eventually(lambda: _works(other, name), timeout=30, what="the store works after the cut")
+        eventually(lambda: _extends(holder), timeout=30, what="the holder extends its lease")
+        assert holder.release() is True
+
+
+SENTINEL = [p for p in DISCOVERED if p.id == "redis+sentinel"]
+
+
+@pytest.mark.parametrize("row", SENTINEL)
+def test_a_sentinel_cut_off_is_asked_last(
+    row: servers.StoreRow,
+    request: pytest.FixtureRequest,
+    proxied_setups: ProxiedSetups,
+    tmp_path: Path,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """The URL names two sentinels and the first one is cut off from the client (a
+    blackhole), the other one answers: a new connection asks for the master, and at most
+    one call fails (StoreUnavailable, within the timeout) before the store asks the other
+    sentinel first; the calls after it work. (Asked in the URL's order, the cut-off one held
+    every new connection until the request's deadline, asyncio's never reaching the other.)
+    """
+    timeout = 0.5
+    with _network(row, request, proxied_setups, tmp_path) as network:
+        server = proxied_setups.get(row)
+        first = server.extra["proxy_of"]["sentinel"]  # type: ignore[index]
+        first.set("blackhole")
+        store = connect(servers.with_query(network.url, timeout=f"{timeout:g}s"))
+        name = f"test:{uuid.uuid4().hex[:12]}"
+        answers: list[object] = []
+        for i in range(4):
+            started = time.monotonic()
+            try:
+                answers.append(store.lock(f"{name}:{i}", wait=0).acquire())
+            except StoreUnavailable as exc:
+                answers.append(exc)
+            took = time.monotonic() - started
+            assert took < timeout + 0.5, f"call {i}: {took:.2f}s, {answers[-1]!r}"
+        assert answers[1:] == [True] * 3, answers
+        assert answers[0] is True or isinstance(answers[0], StoreUnavailable), answers
+
+
+def _extends(lock: latchkey.Lock) -> bool:
+    """Whether ``lock`` was extended: False if the store could not be reached (a connection
+    the proxy cut, met once), LockLost if the lease is no longer its own."""
     try:
-        store = connect(servers.with_query(_with_port(store_url, proxy.port), timeout="1s"))
-        other = connect(store_url)
-        if not store.capabilities.ttl:
-            store.close()
-            other.close()
-            pytest.skip(f"{store_row.id}: a session lock ends with its connection already")
-        with store.lock(f"{name}:warm", ttl="10s"):  # connections open before the fault
-            pass
-        proxy.set("mute")
-        with pytest.raises(latchkey.StoreUnavailable):
-            store.lock(name, ttl="60s", wait=0).acquire()
-        proxy.heal()
-        eventually(  # given back long before the 60 s lease would have ended
-            lambda: other.lock(name, ttl="10s", wait=0).acquire(),
-            timeout=20,
-            what="the lost grant given back",
-        )
-        other.close()
-        store.close()
-    finally:
-        proxy.close()
+        lock.extend()
+    except StoreUnavailable:
+        return False
+    return True
 
 
 def _open_and_lock(url: str, start: Any, out: Any) -> None:

@@ -647,10 +647,10 @@ def _replicas_in_sync(ports: list[int]) -> int:
 def test_a_holder_cut_off_from_its_servers_learns_why_its_lease_was_lost(
     kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The shared partition test (tests/contract/test_faults.py) puts a proxy in front of the
-    URL's address, which these clients bypass (they talk to the nodes the cluster or the
-    sentinel announces). Here the servers themselves stall instead (SIGSTOP: the cluster's
-    masters; the master, its replica and the sentinel): a renewing holder keeps retrying
+    """The shared partition test (tests/contract/test_faults.py) cuts the network through
+    proxies these setups announce; here the servers themselves stall instead (SIGSTOP: the
+    cluster's masters; the master, its replica and the sentinel), with no proxy on the way
+    and the sentinel's own failover timer frozen with them: a renewing holder keeps retrying
     while its lease lasts, then reports it lost — through on_lost, one warning and check() —
     with the renewal's failure as the reason; after the thaw the lease has ended on the
     server and someone else gets it."""

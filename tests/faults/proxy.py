@@ -125,6 +125,11 @@ class Proxies:
     def __init__(self, targets: list[tuple[str, int]]) -> None:
         self.proxies = [Proxy(host, port) for host, port in targets]
 
+    def add(self, host: str, port: int) -> Proxy:
+        """One more proxy, to ``host:port``, broken and healed with the others."""
+        self.proxies.append(Proxy(host, port))
+        return self.proxies[-1]
+
     def set(self, mode: str, latency: float = 0.0) -> None:
         for proxy in self.proxies:
             proxy.set(mode, latency)

@@ -169,6 +169,10 @@ class StoreRow:
     #: The client talks to the servers the URL's address announces (a cluster's nodes, the
     #: master a sentinel names), not to that address: a proxy put in front of it is bypassed.
     discovers: bool = False
+    #: For a row that ``discovers``: starts a setup of its own whose servers announce proxies
+    #: (``extra["proxies"]``, a :class:`tests.faults.proxy.Proxies`), so that every
+    #: connection a client opens, found or given, goes through one (the network fault tests).
+    proxied: Callable[[Path], RunningServer] | None = None
 
 
 SERVERS: dict[str, ServerKind] = {}

@@ -6,6 +6,13 @@ Three ``redis-server --cluster-enabled yes`` on free loopback ports, joined by
 row's URL names one node (``redis+cluster://127.0.0.1:P1``: the client reads the others from
 it, as from any seed list);
 ``LATCHKEY_TEST_REDIS_CLUSTER_URL`` points the suite at an existing cluster instead.
+
+``start_cluster(…, proxied=True)`` puts each node behind a TCP proxy of its own
+(:class:`tests.faults.proxy.Proxy`) and has it announce the proxy's port
+(``cluster-announce-port``) to the clients, the cluster bus staying direct
+(``cluster-announce-bus-port``): every connection a client opens, to the seed and to the
+nodes it learns of, goes through a proxy, so a network fault reaches the discovered paths
+while the cluster itself stays whole.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.faults.proxy import Proxies
 from tests.servers import (
     ROWS,
     SERVERS,
@@ -198,17 +206,26 @@ def _replicas_linked(ports: list[int]) -> int:
 
 
 def start_cluster(
-    workdir: Path, masters: int = MASTERS, replicas: int = 0, tls: bool = False
+    workdir: Path,
+    masters: int = MASTERS,
+    replicas: int = 0,
+    tls: bool = False,
+    proxied: bool = False,
 ) -> RunningCluster:
     """``masters`` masters with ``replicas`` replicas each; the URL names the first node.
     ``tls``: every node serves TLS too (:func:`tls_arguments`) and the URL is
     ``rediss+cluster://`` to the first node's TLS port; ``extra["tls_ports"]``: plain port ->
-    TLS port, ``extra["files"]``: the certificates."""
+    TLS port, ``extra["files"]``: the certificates. ``proxied``: each node behind a proxy
+    whose port it announces to clients (module docstring), the URL naming every node's;
+    ``extra["proxies"]``: them all, broken and healed together (the caller closes them, after
+    :meth:`RunningCluster.stop`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     nodes: dict[int, int] = {}
     tls_ports: dict[int, int] = {}
     args: dict[int, list[str]] = {}
+    fronts: dict[int, int] = {}  # node port -> its proxy's port
     files = make_certificates(workdir / "tls") if tls else {}
+    proxies = Proxies([])
     try:
         for _ in range(masters * (1 + replicas)):
             if tls:  # the cluster bus is on the TLS port + 10000
@@ -216,20 +233,31 @@ def start_cluster(
                 args[port] = tls_arguments(files, tls_ports[port])
             else:
                 port = node_port()
+            if proxied:
+                proxies.add("127.0.0.1", port)
+                fronts[port] = proxies.proxies[-1].port
+                args[port] = [
+                    "--cluster-announce-port", str(fronts[port]),
+                    "--cluster-announce-bus-port", str(port + 10000),  # the bus: direct
+                ]  # fmt: skip
             nodes[port] = start_node(workdir, port, *args.get(port, []))
         create_cluster(list(nodes), replicas)
     except BaseException:
         for pid in nodes.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+        proxies.close()
         raise
     first = next(iter(nodes))
     url = f"redis+cluster://127.0.0.1:{first}"
+    if proxied:  # every node a seed, as an application names them: each one's proxy
+        url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in fronts.values())
     if tls:
         url = f"rediss+cluster://127.0.0.1:{tls_ports[first]}"
     return RunningCluster(
         url=url, pid=nodes[first], port=first, workdir=workdir,
-        extra={"nodes": nodes, "args": args, "tls_ports": tls_ports, "files": files},
+        extra={"nodes": nodes, "args": args, "tls_ports": tls_ports, "files": files,
+               "proxies": proxies},
     )  # fmt: skip
 
 
@@ -247,5 +275,6 @@ ROWS.append(
         "redis_cluster",
         isolate=lambda base, tag, tmp: with_query(base, prefix=f"t{tag}:"),
         discovers=True,
+        proxied=lambda workdir: start_cluster(workdir, proxied=True),
     )
 )

@@ -6,7 +6,13 @@ loopback port, without persistence. The row's URL names the sentinel and the ser
 ``redis+sentinel://127.0.0.1:SENTINEL_PORT/latchkey``; ``LATCHKEY_TEST_REDIS_SENTINEL_URL``
 points the suite at an existing setup instead. ``stop``/``start``/``frozen`` act on all three
 processes; :func:`start_setup` lets a failover test start its own, and with ``tls=True`` a
-setup that serves TLS (:func:`tls_arguments`).
+setup that serves TLS (:func:`tls_arguments`), and with ``proxied=True`` one whose every
+client connection goes through a TCP proxy (:class:`tests.faults.proxy.Proxy`): the sentinel
+behind one (the URL names it), and the master behind another, whose port the sentinel
+monitors and so names to clients (the replica's own, announced: ``replica-announce-port``).
+The sentinel's own connections to the master go through that proxy too, so a network fault
+would have it fail over after ``down-after-milliseconds``: a proxied setup waits a minute
+before it does (``PROXIED_DOWN_AFTER_MS``), longer than a network fault of a test lasts.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.faults.proxy import Proxies
 from tests.servers import (
     ROWS,
     SERVERS,
@@ -35,6 +42,8 @@ from tests.servers import (
 from tests.servers.redis import command, make_certificates, until, wait_ping
 
 SERVICE = "latchkey"
+#: A proxied setup's ``down-after-milliseconds`` (module docstring).
+PROXIED_DOWN_AFTER_MS = 60_000
 
 
 def master_of(sentinel_port: int, service: str = SERVICE, timeout: float = 0.5) -> int | None:
@@ -78,7 +87,11 @@ def tls_arguments(files: dict[str, Path], tls_port: int) -> list[str]:
 
 
 def _sentinel(
-    workdir: Path, port: int, master_port: int, tls: list[str] | None = None
+    workdir: Path,
+    port: int,
+    master_port: int,
+    tls: list[str] | None = None,
+    down_after_ms: int = 1000,
 ) -> Callable[[], int]:
     binary = ensure_binary("redis-sentinel", "redis-sentinel")
     pidfile = workdir / f"sentinel-{port}.pid"
@@ -89,7 +102,7 @@ def _sentinel(
         f"port {port}\nbind 127.0.0.1\ndaemonize yes\npidfile {pidfile}\n"
         f"logfile {workdir / f'sentinel-{port}.log'}\ndir {workdir}\n{tls_lines}"
         f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 1\n"
-        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+        f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
         f"sentinel failover-timeout {SERVICE} 10000\n"
     )
 
@@ -208,17 +221,25 @@ def _replica_known(sentinel: int) -> bool:
     return "master-link-status\r\n$2\r\nok" in reply and "s_down" not in reply
 
 
-def start_setup(workdir: Path, tls: bool = False) -> RunningSetup:
+def start_setup(workdir: Path, tls: bool = False, proxied: bool = False) -> RunningSetup:
     """Start a master, its replica and a sentinel watching them. ``tls``: each also serves
     TLS on a port of its own and asks for a client certificate, the replica replicates and
     the sentinel watches over TLS (it names the master's TLS port), and the URL is
     ``rediss+sentinel://`` to the sentinel's TLS port; ``extra["tls_ports"]``: role -> TLS
     port, ``extra["files"]``: the certificates (:func:`tests.servers.redis.make_certificates`).
+    ``proxied`` (not with ``tls``): each behind a proxy (module docstring), the URL naming the
+    sentinel twice, through two proxies (to the client, two sentinels); ``extra["proxies"]``:
+    them all, broken and healed together (the caller closes them, after
+    :meth:`RunningSetup.stop`); ``extra["proxy_of"]``: role ("sentinel2": the second
+    address) -> its proxy. For network faults, not failovers (:meth:`RunningSetup.failover`
+    starts the nodes again without the announced port).
     """
+    if tls and proxied:
+        raise ValueError("a proxied setup speaks plain TCP")
     workdir.mkdir(parents=True, exist_ok=True)
     roles = ("master", "replica", "sentinel")
     ports = {role: free_port() for role in roles}
-    served = dict(ports)  # the ports clients (and the replica, the sentinel) use
+    served = dict(ports)  # the ports the sentinel names and clients use
     args: dict[str, list[str]] = {role: [] for role in roles}
     extra: dict[str, object] = {}
     if tls:
@@ -226,14 +247,27 @@ def start_setup(workdir: Path, tls: bool = False) -> RunningSetup:
         served = {role: free_port() for role in roles}
         args = {role: tls_arguments(files, served[role]) for role in roles}
         extra = {"tls_ports": served, "files": files}
+    sentinels = ""  # a proxied setup's URL names two sentinels (below)
+    if proxied:
+        proxies = Proxies([("127.0.0.1", ports[role]) for role in roles])
+        served = {role: p.port for role, p in zip(roles, proxies.proxies, strict=True)}
+        # A second address of the one sentinel (another proxy in front of it): to the
+        # client, two sentinels, as deployments name several, cut off together.
+        sentinels = f",127.0.0.1:{proxies.add('127.0.0.1', ports['sentinel']).port}"
+        args["replica"] = ["--replica-announce-port", str(served["replica"])]
+        proxy_of = dict(zip((*roles, "sentinel2"), proxies.proxies, strict=True))
+        extra = {"proxies": proxies, "proxy_of": proxy_of}
     launch = {
         "master": _node(workdir, ports["master"], *args["master"]),
-        "replica": _node(
+        "replica": _node(  # replicates over a direct link: a proxy cuts clients off only
             workdir, ports["replica"], *args["replica"], "--replicaof", "127.0.0.1",
-            str(served["master"]),
+            str(ports["master"] if proxied else served["master"]),
         ),
-        "sentinel": _sentinel(workdir, ports["sentinel"], served["master"], args["sentinel"]),
-    }
+        "sentinel": _sentinel(
+            workdir, ports["sentinel"], served["master"], args["sentinel"],
+            PROXIED_DOWN_AFTER_MS if proxied else 1000,
+        ),
+    }  # fmt: skip
     pids: dict[str, int] = {}
     try:
         for role in ("master", "replica", "sentinel"):
@@ -242,10 +276,12 @@ def start_setup(workdir: Path, tls: bool = False) -> RunningSetup:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
+        if proxied:
+            proxies.close()
         raise
     scheme = "rediss+sentinel" if tls else "redis+sentinel"
     return RunningSetup(
-        url=f"{scheme}://127.0.0.1:{served['sentinel']}/{SERVICE}",
+        url=f"{scheme}://127.0.0.1:{served['sentinel']}{sentinels}/{SERVICE}",
         pid=pids["sentinel"], port=ports["sentinel"], workdir=workdir,
         extra={"ports": ports, "pids": pids, "launch": launch, **extra},
     )  # fmt: skip
@@ -263,5 +299,6 @@ ROWS.append(
         "redis_sentinel",
         isolate=lambda base, tag, tmp: with_query(base, prefix=f"t{tag}:"),
         discovers=True,
+        proxied=lambda workdir: start_setup(workdir, proxied=True),
     )
 )

@@ -104,6 +104,7 @@ class AsyncRedisDriver(AsyncDriver):
         self.check_health = bool(kwargs.get("health_check_interval"))  # see the sync driver
 
         self.idle: list[tuple[Any, float]] = []  # (connection, when it was given back)
+        self.closed = False
         self._turns = asyncio.Semaphore(POOL_SIZE)  # fair: first come first served
         self._listener: Listener | None = None
         self._listener_lock = asyncio.Lock()
@@ -172,7 +173,10 @@ class AsyncRedisDriver(AsyncDriver):
             except BaseException:  # cancelled or failed mid-command: its state is unknown
                 await _close(conn)
                 raise
-            idle.append((conn, _monotonic()))
+            if self.closed:  # closed while this call ran (a give-back in the background)
+                await _close(conn)
+            else:
+                idle.append((conn, _monotonic()))
         return reply
 
     async def subscribe(self, channel: str) -> AsyncWaiter:
@@ -200,6 +204,7 @@ class AsyncRedisDriver(AsyncDriver):
     async def aclose(self) -> None:
         """Close every connection, whatever the server's state: a step that fails (a server
         gone or frozen while a connection closes) does not leave the later ones open."""
+        self.closed = True
         async with self._listener_lock:
             listener, self._listener = self._listener, None
         if listener is not None:

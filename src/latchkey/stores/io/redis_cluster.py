@@ -23,13 +23,23 @@ call does beyond sending, this driver hands back to it:
   next call goes to the layout read since (a promoted replica, once the cluster has promoted
   one).
 
+Re-reading the layout asks the nodes one after another, each given the whole timeout: with
+the network cut, a call that failed after its timeout then waited for every node in turn
+(four timeouts on three masters, before it raised). So, once the client has its first
+layout, every re-read — this driver's and those redis-py's own calls start after a
+connection error — runs in a background thread instead (one at a time per client), and the
+call that failed raises at once; the calls meanwhile use the layout they have.
+
 No call retries (redis-py's client is made with ``Retry(NoBackoff(), 0)``): a primitive never
 retries, the core decides. A script is sent as EVALSHA and loaded on its slot's master
 (SCRIPT LOAD) when that node answers NOSCRIPT. Other requests (commands, a SCAN of one node)
 go through the client's ``execute_command``.
 
 The client connects to the cluster when it is made, so it is made on first use (and again
-in a forked child, which leaves its parent's sockets alone).
+in a forked child, which leaves its parent's sockets alone), in a thread of its own: its
+constructor asks the URL's nodes in turn for the layout, each given the whole timeout, and a
+call waits for it only up to the timeout (then StoreUnavailable; the next call waits for the
+same making, or starts a new one if it failed).
 
 A :class:`~latchkey.stores.redis_cluster.Batch` of scripts (a claim's slots) goes in one
 pipeline per master (one round trip per node), each part's error answered as its reply: the
@@ -60,6 +70,8 @@ import functools
 import inspect
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -202,26 +214,100 @@ class ClusterDriver(Driver):
         self._listeners: dict[str, Listener] = {}  # node name -> its listener
         self._masters: dict[str, Connections] = {}  # node name -> its idle connections
         self._lock = threading.Lock()
+        self._reading: Any = None  # the client whose layout a background thread reads
+        self._making: Future[Any] | None = None  # the client being made
         after_fork(self)
 
     def forget_after_fork(self) -> None:
         # the parent's sockets: not ours to close
         self._client, self._listeners, self._masters = None, {}, {}
         self._lock = threading.Lock()
+        self._reading, self._making = None, None
 
     @property
     def client(self) -> Any:
         """The cluster client, made (and connected) on first use."""
         client = self._client
         if client is None:
-            with self._lock:
-                if self._client is None:
-                    self._client = Client(
-                        **cluster_settings(self.store, self.backend.client),
-                        retry=Retry(NoBackoff(), 0),  # a primitive never retries
-                    )
-                client = self._client
+            client = self._made()
         return client
+
+    def _made(self) -> Any:
+        """The cluster client once made, in a thread of its own (module docstring), waited
+        for up to the timeout."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            making = self._making
+            if making is None:
+                making = self._making = Future()
+                threading.Thread(
+                    target=self._make, args=(making,), name="latchkey-cluster-client", daemon=True
+                ).start()
+        try:
+            return making.result(self.timeout)
+        except FutureTimeout:  # TimeoutError from Python 3.11 on, a class of its own before
+            raise redis.TimeoutError(
+                f"no node of the URL gave the cluster's layout within {self.timeout:g}s"
+            ) from None
+
+    def _make(self, making: Future[Any]) -> None:
+        try:
+            client = Client(
+                **cluster_settings(self.store, self.backend.client),
+                retry=Retry(NoBackoff(), 0),  # a primitive never retries
+            )
+        except BaseException as exc:
+            with self._lock:
+                if self._making is making:
+                    self._making = None  # the next call starts again
+            making.set_exception(exc)
+            return
+        self._reread_later(client)
+        with self._lock:
+            current = self._making is making
+            if current:
+                self._client, self._making = client, None
+        if not current:  # the store was closed meanwhile
+            client.close()
+            making.set_exception(redis.ConnectionError("the store was closed"))
+            return
+        making.set_result(client)
+
+    def _reread_later(self, client: Any) -> None:
+        """Every later re-read of ``client``'s layout (its first is done: the constructor
+        reads it) runs in the background, not in the call that failed (module docstring):
+        the client's own ``nodes_manager.initialize``, the method its calls and this driver
+        use, replaced on that one client, which this driver made and alone uses."""
+        manager = client.nodes_manager
+        read = manager.initialize
+
+        def initialize(*args: Any, **kwargs: Any) -> None:
+            with self._lock:
+                if self._reading is client or self._client is not client:
+                    return  # one at a time; none for a client closed
+                self._reading = client
+            threading.Thread(
+                target=self._read_layout,
+                args=(client, functools.partial(read, *args, **kwargs)),
+                name="latchkey-cluster-layout",
+                daemon=True,
+            ).start()
+
+        manager.initialize = initialize
+
+    def _read_layout(self, client: Any, read: Any) -> None:
+        """Re-read ``client``'s layout (its error is not a call's: the next call meets it,
+        or a new layout); if the store was closed meanwhile, close what the reading opened."""
+        try:
+            with contextlib.suppress(Exception):
+                read()
+        finally:
+            with self._lock:
+                self._reading = None
+                closed = self._client is not client
+            if closed:
+                client.close()
 
     #: :meth:`Driver.run` with :func:`~latchkey.stores.io.drive` written in (one call less per
     #: primitive), the plain Redis driver's; driver errors are :attr:`errors`, this driver's.
@@ -284,8 +370,8 @@ class ClusterDriver(Driver):
 
     def _lost(self, client: Any, node: Any, master: Connections) -> None:
         """What redis-py's own call does when a node's connection fails: that node's idle
-        connections closed, the cluster's layout read again (the failed node asked last).
-        An error reading it is not this call's: the next call meets it, or a new layout."""
+        connections closed, the cluster's layout read again (the failed node asked last), in
+        the background (:meth:`_reread_later`)."""
         master.close()
         manager = client.nodes_manager
         with contextlib.suppress(*ERRORS):
@@ -383,6 +469,7 @@ class ClusterDriver(Driver):
             listeners, self._listeners = self._listeners, {}
             masters, self._masters = self._masters, {}
             client, self._client = self._client, None
+            self._making = None  # a client made after this is closed by its maker
         for listener in listeners.values():
             listener.close()
         for master in masters.values():

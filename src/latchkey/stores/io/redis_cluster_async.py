@@ -15,6 +15,7 @@ sync driver, to every node and listener.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,25 +97,32 @@ class AsyncClusterDriver(AsyncDriver):
         self._turns = asyncio.Semaphore(POOL_SIZE)  # requests in flight; first come first served
         self._listeners: dict[str, Listener] = {}
         self._listener_lock = asyncio.Lock()
+        self.closed = False
 
     async def answer(self, request: Any) -> Any:
         kind = type(request)
         if kind is Subscribe:
             return await self.subscribe(request.channel)
         async with self._turns, _deadline(self.timeout):
-            client = await self.client.initialize()
-            if kind is Batch:
-                return await self.batch(client, request.scripts)
-            if kind is tuple:  # a Script
-                return await self.script(client, request)
-            if kind is Command:
-                return await client.execute_command(*request.words)
-            if kind is OnNode:
-                node = client.get_node(node_name=request.node)
-                reply = await client.execute_command(*request.words, target_nodes=node)
-                return scan_reply(reply) if request.words[0] == "SCAN" else reply
-            if kind is Masters:
-                return [node.name for node in client.get_primaries()]
+            if self.closed:
+                raise redis.ConnectionError("the store was closed")
+            try:
+                client = await self.client.initialize()
+                if kind is Batch:
+                    return await self.batch(client, request.scripts)
+                if kind is tuple:  # a Script
+                    return await self.script(client, request)
+                if kind is Command:
+                    return await client.execute_command(*request.words)
+                if kind is OnNode:
+                    node = client.get_node(node_name=request.node)
+                    reply = await client.execute_command(*request.words, target_nodes=node)
+                    return scan_reply(reply) if request.words[0] == "SCAN" else reply
+                if kind is Masters:
+                    return [node.name for node in client.get_primaries()]
+            finally:
+                if self.closed:  # closed while this request ran (a give-back, say): the
+                    await self._close_client()  # layout it read again is closed too
         raise TypeError(f"not a Redis Cluster request: {request!r}")
 
     async def script(self, client: Any, request: Script) -> Any:
@@ -182,8 +190,19 @@ class AsyncClusterDriver(AsyncDriver):
             return current
 
     async def aclose(self) -> None:
+        self.closed = True
         async with self._listener_lock:
             listeners, self._listeners = self._listeners, {}
         for listener in listeners.values():
             await listener.close()
-        await self.client.aclose()
+        await self._close_client()
+
+    async def _close_client(self) -> None:
+        with contextlib.suppress(*ERRORS):
+            await self.client.aclose()
+        # A client whose first layout read was cut short (the request's deadline) counts as
+        # never initialized, and its aclose() leaves the seeds' connections open.
+        manager = self.client.nodes_manager
+        for nodes in ("nodes_cache", "startup_nodes"):
+            with contextlib.suppress(*ERRORS):
+                await manager.aclose(nodes)

@@ -20,6 +20,7 @@ decoded, RESP2. :meth:`close` closes that Sentinel's connections, never the appl
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import redis
@@ -103,23 +104,51 @@ def no_master(service: str, errors: list[str]) -> MasterNotFoundError:
     )
 
 
+def ask_next(sentinels: list[Any], named: Any, failed: list[Any]) -> None:
+    """Reorder ``sentinels`` (in place) for the next discovery: the one that ``named`` the
+    master first, those that ``failed`` (an error, or no answer before the call's deadline)
+    last, so that a sentinel cut off from this client is not the one every new connection
+    waits for until its timeout."""
+    first = [named] if named is not None else []
+    rest = [s for s in sentinels if s is not named and not any(s is f for f in failed)]
+    sentinels[:] = first + rest + [f for f in failed if any(s is f for s in sentinels)]
+
+
 class Sentinels(Sentinel):  # type: ignore[misc,unused-ignore]  # untyped in redis-py
     """redis-py's Sentinel, whose MasterNotFoundError says why each sentinel failed: redis-py
     (8.x) shows only each error's kind (``network:ConnectionError``) after a repr of the
-    sentinel's client, which hid a certificate refused by TLS or a connection refused."""
+    sentinel's client, which hid a certificate refused by TLS or a connection refused.
+
+    One discovery spends at most about the timeout: redis-py asks each sentinel in turn,
+    each given the whole timeout, so sentinels cut off from the client (a partition, a
+    blackhole) made a new connection wait for one timeout per sentinel. Once a sentinel has
+    failed and the timeout is spent, the others are not asked: the call fails
+    (StoreUnavailable), and the sentinels that failed are asked last from then on
+    (:func:`ask_next`)."""
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
-        errors = []
-        for i, sentinel in enumerate(self.sentinels):
-            try:
-                masters: Any = sentinel.sentinel_masters()  # service -> state
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                errors.append(sentinel_error(sentinel, exc))
-                continue
-            state = masters.get(service_name)
-            if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
-                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first
-                return state["ip"], state["port"]
+        errors: list[str] = []
+        failed: list[Any] = []
+        budget = self.sentinel_kwargs.get("socket_timeout")
+        started = time.monotonic()
+        named = None
+        try:
+            for sentinel in list(self.sentinels):
+                if failed and budget and time.monotonic() - started >= budget:
+                    errors.append(f"the others not asked: {budget:g}s spent")
+                    break
+                try:
+                    masters: Any = sentinel.sentinel_masters()  # service -> state
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    errors.append(sentinel_error(sentinel, exc))
+                    failed.append(sentinel)
+                    continue
+                state = masters.get(service_name)
+                if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
+                    named = sentinel
+                    return state["ip"], state["port"]
+        finally:
+            ask_next(self.sentinels, named, failed)
         raise no_master(service_name, errors)
 
 

@@ -18,7 +18,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelManagedConnection
 from redis.backoff import NoBackoff
 
 from latchkey.stores.io.redis_async import ERRORS, AsyncRedisDriver
-from latchkey.stores.io.redis_sentinel import no_master, sentinel_args, sentinel_error
+from latchkey.stores.io.redis_sentinel import ask_next, no_master, sentinel_args, sentinel_error
 
 if TYPE_CHECKING:
     from latchkey.stores.redis import Redis
@@ -26,20 +26,32 @@ if TYPE_CHECKING:
 
 class Sentinels(Sentinel):  # type: ignore[misc,unused-ignore]  # untyped in redis-py
     """redis-py's asyncio Sentinel, whose MasterNotFoundError says why each sentinel failed
-    (see :class:`latchkey.stores.io.redis_sentinel.Sentinels`)."""
+    (see :class:`latchkey.stores.io.redis_sentinel.Sentinels`). The request's deadline
+    bounds a discovery here; the sentinel it cut off is asked last from then on
+    (:func:`~latchkey.stores.io.redis_sentinel.ask_next`): it was asked first, and every new
+    connection waited for it until the deadline, never reaching a sentinel that answers."""
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
-        errors = []
-        for i, sentinel in enumerate(self.sentinels):
-            try:
-                masters: Any = await sentinel.sentinel_masters()  # service -> state
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                errors.append(sentinel_error(sentinel, exc))
-                continue
-            state = masters.get(service_name)
-            if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
-                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]  # ask it first
-                return state["ip"], state["port"]
+        errors: list[str] = []
+        failed: list[Any] = []
+        named = None
+        try:
+            for sentinel in list(self.sentinels):
+                try:
+                    masters: Any = await sentinel.sentinel_masters()  # service -> state
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    errors.append(sentinel_error(sentinel, exc))
+                    failed.append(sentinel)
+                    continue
+                except BaseException:  # the deadline (a cancellation) while it was asked
+                    failed.append(sentinel)
+                    raise
+                state = masters.get(service_name)
+                if state and self.check_master_state(state, service_name):  # type: ignore[no-untyped-call,unused-ignore]
+                    named = sentinel
+                    return state["ip"], state["port"]
+        finally:
+            ask_next(self.sentinels, named, failed)
         raise no_master(service_name, errors)
 
 
