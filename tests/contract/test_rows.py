@@ -235,23 +235,17 @@ with latchkey.connect(sys.argv[1]) as store:
 """
 
 
-@pytest.mark.parametrize("mode", ["take", "lease"])
-def test_a_notify_from_another_process_wakes_a_waiting_take_or_lease(
-    store: latchkey.Store, db: AppDB, store_url: str, mode: str,
+def _woken(
+    store: latchkey.Store, queue: latchkey.Rows, mode: str, make_due: Any,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
-    """``rows.notify()`` after new rows commit wakes the batches waiting for due rows of
-    that table at once, in other processes too (PostgreSQL: a NOTIFY; SQLite: the doorbells
-    of this machine). Here a waiter would otherwise poll only every 15-30 s: it subscribes
-    after its first empty answer and asks once more; only then is the row inserted and the
-    notice sent, from another process."""
-    if store.scheme == "mysql":
-        pytest.skip("mysql: no push between processes (notify wakes this process's waiters)")
+) -> tuple[list[int], int]:  # fmt: skip
+    """A take (or lease) waits for due rows of ``queue`` in a thread, its polls slowed to
+    every 15-30 s so that only a notice can end its wait in time; once it has subscribed and
+    asked again, ``make_due()`` makes a row due and sends the notice. The ids it got and how
+    many times it asked the store."""
     monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
-    table = db.create_events(0)
-    queue = store.rows(table, where="processed_at IS NULL")
     asks = _count_asks(store, f"rows_{mode}")
-    got: dict[str, Any] = {}
+    got: dict[str, list[int]] = {}
 
     def wait_for_rows() -> None:
         batch_of = queue.take(limit=5, wait="60s") if mode == "take" else queue.lease(
@@ -263,14 +257,34 @@ def test_a_notify_from_another_process_wakes_a_waiting_take_or_lease(
     waiting.start()
     try:
         eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+        make_due()
+        waiting.join(timeout=10)
+        assert not waiting.is_alive(), "the notice did not wake the waiting batch"
+    finally:
+        waiting.join()
+    return got["ids"], len(asks)
+
+
+@pytest.mark.parametrize("mode", ["take", "lease"])
+def test_a_notify_from_another_process_wakes_a_waiting_take_or_lease(
+    store: latchkey.Store, db: AppDB, store_url: str, mode: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """``rows.notify()`` after new rows commit wakes the batches waiting for due rows of
+    that table at once, in other processes too (PostgreSQL: a NOTIFY; SQLite: the doorbells
+    of this machine); the row is inserted and the notice sent, from another process, only
+    after the waiter subscribed and asked once more."""
+    if store.scheme == "mysql":
+        pytest.skip("mysql: no push between processes (notify wakes this process's waiters)")
+    table = db.create_events(0)
+    queue = store.rows(table, where="processed_at IS NULL")
+
+    def make_due() -> None:
         db.insert(table, [7])
         subprocess.run([sys.executable, "-c", NOTIFY, store_url, table], check=True,
                        timeout=60)  # fmt: skip
-        waiting.join(timeout=10)
-        assert not waiting.is_alive(), "the notice did not wake the waiting batch"
-        assert got["ids"] == [7] and len(asks) == 3
-    finally:
-        waiting.join()
+
+    assert _woken(store, queue, mode, make_due, monkeypatch) == ([7], 3)
 
 
 def test_notify_wakes_a_waiting_take_of_the_same_store_on_every_sql_store(
@@ -278,27 +292,14 @@ def test_notify_wakes_a_waiting_take_of_the_same_store_on_every_sql_store(
 ) -> None:
     """Within one process (MySQL/MariaDB too, whose waiters otherwise only poll): a notify
     through the same store wakes its waiting takes."""
-    monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
     table = db.create_events(0)
     queue = store.rows(table, where="processed_at IS NULL")
-    asks = _count_asks(store, "rows_take")
-    got: dict[str, Any] = {}
 
-    def take() -> None:
-        with queue.take(limit=5, wait="60s") as batch:
-            got["ids"] = [row["id"] for row in batch]
-
-    waiting = threading.Thread(target=take)
-    waiting.start()
-    try:
-        eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+    def make_due() -> None:
         db.insert(table, [3])
         queue.notify()
-        waiting.join(timeout=10)
-        assert not waiting.is_alive(), "the notice did not wake the waiting take"
-        assert got["ids"] == [3]
-    finally:
-        waiting.join()
+
+    assert _woken(store, queue, "take", make_due, monkeypatch)[0] == [3]
 
 
 def test_wake_sql_in_the_applications_own_transaction(
@@ -313,27 +314,14 @@ def test_wake_sql_in_the_applications_own_transaction(
         return
     wake = queue.wake_sql
     assert wake is not None and wake.startswith("SELECT pg_notify('")
-    monkeypatch.setattr(rows_core, "Backoff", lambda cap: Backoff(initial=15.0, cap=30.0))
-    asks = _count_asks(store, "rows_take")
-    got: dict[str, Any] = {}
 
-    def take() -> None:
-        with queue.take(limit=5, wait="60s") as batch:
-            got["ids"] = [row["id"] for row in batch]
-
-    waiting = threading.Thread(target=take)
-    waiting.start()
-    try:
-        eventually(lambda: len(asks) >= 2, timeout=10, what="asked again after subscribing")
+    def make_due() -> None:
         db.execute("BEGIN")
         db.insert(table, [5])
         db.execute(wake)  # delivered at COMMIT, with the row
         db.execute("COMMIT")
-        waiting.join(timeout=10)
-        assert not waiting.is_alive(), "the notice did not wake the waiting take"
-        assert got["ids"] == [5]
-    finally:
-        waiting.join()
+
+    assert _woken(store, queue, "take", make_due, monkeypatch)[0] == [5]
 
 
 def test_two_takes_never_get_the_same_row(store: latchkey.Store, db: AppDB) -> None:
