@@ -917,7 +917,10 @@ def test_async_cancelled_waiting_acquire_leaves_nothing_held(base: str, prefix: 
                 return await original(*args, **kwargs)
 
             backend.acquire = counted  # type: ignore[method-assign]
-            holder = store.lock("job", ttl="30s", renew=False)
+            # The holder through a store object of its own: a waiter of the holder's store
+            # would be answered from its record of the lease, without asking memcached.
+            holder_store = latchkey.connect_async(f"{base}?prefix={prefix}")
+            holder = holder_store.lock("job", ttl="30s", renew=False)
             assert await holder.acquire()
             waiting = asyncio.ensure_future(store.lock("job", ttl="30s", wait=30).acquire())
             await _until(lambda: attempts >= 3, "three attempts of the waiter")
@@ -928,6 +931,7 @@ def test_async_cancelled_waiting_acquire_leaves_nothing_held(base: str, prefix: 
             assert info is not None and len(info.holders) == 1
             assert info.holders[0].token == holder.token  # only the first holder
             await holder.release()
+            await holder_store.aclose()
             assert await store.is_free("job")
             async with store.lock("job", ttl="30s", wait=5):
                 assert not await store.is_free("job")
