@@ -154,8 +154,16 @@ def server_hung_up(conn: Any) -> bool:
     return bool(readable)
 
 
-def drain(cur: Any, sql: str, params: Any) -> tuple[list[Any], int]:
-    """Execute ``sql`` and read every result; the last result set and row count."""
+def _unbounded() -> None:
+    """No deadline of ours (a borrowed connection keeps the application's timeouts)."""
+
+
+def drain(
+    cur: Any, sql: str, params: Any, bound: Callable[[], None] = _unbounded
+) -> tuple[list[Any], int]:
+    """Execute ``sql`` and read every result; the last result set and row count. ``bound``
+    runs before the statement and before each further result set (the call's deadline)."""
+    bound()
     cur.execute(sql, params or None)
     rows: list[Any] = []
     count: int = cur.rowcount
@@ -164,6 +172,7 @@ def drain(cur: Any, sql: str, params: Any) -> tuple[list[Any], int]:
             rows = list(cur.fetchall())
         else:
             count = cur.rowcount
+        bound()  # (a next result set is read only if there is one)
         if not cur.nextset():
             return rows, count
 
@@ -217,19 +226,7 @@ class Connection:
 
     def drain(self, sql: str, params: Any) -> tuple[list[Any], int]:
         """:func:`drain`, each read bounded by the call's deadline."""
-        cur = self.cur
-        self.bound()
-        cur.execute(sql, params or None)
-        rows: list[Any] = []
-        count: int = cur.rowcount
-        while True:
-            if cur.description:
-                rows = list(cur.fetchall())
-            else:
-                count = cur.rowcount
-            self.bound()  # (a next result set is read only if there is one)
-            if not cur.nextset():
-                return rows, count
+        return drain(self.cur, sql, params, self.bound)
 
     def answer(self, request: Any) -> Any:
         sql, params, _ = request
@@ -243,15 +240,7 @@ class Connection:
 
     def statement(self, request: Statement) -> tuple[list[str] | None, list[Any]]:
         """:func:`statement`, each read bounded by the call's deadline."""
-        cur = self.cur
-        self.bound()
-        cur.execute(request.sql, request.params)
-        columns = [column[0] for column in cur.description] if cur.description else None
-        rows = list(cur.fetchall()) if columns is not None else []
-        while True:
-            self.bound()
-            if not cur.nextset():
-                return columns, rows
+        return statement(self.cur, request, self.bound)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -403,14 +392,19 @@ def reach(args: dict[str, Any], host: str, port: int, seconds: float) -> tuple[A
     return conn, why
 
 
-def statement(cur: Any, request: Statement) -> tuple[list[str] | None, list[Any]]:
-    """The application's statement (``params`` None: sent as is): its columns and rows."""
+def statement(
+    cur: Any, request: Statement, bound: Callable[[], None] = _unbounded
+) -> tuple[list[str] | None, list[Any]]:
+    """The application's statement (``params`` None: sent as is): its columns and rows.
+    ``bound``: as for :func:`drain`."""
+    bound()
     cur.execute(request.sql, request.params)
     columns = [column[0] for column in cur.description] if cur.description else None
     rows = list(cur.fetchall()) if columns is not None else []
-    while cur.nextset():
-        pass
-    return columns, rows
+    while True:
+        bound()
+        if not cur.nextset():
+            return columns, rows
 
 
 def user_error(exc: BaseException) -> bool:
