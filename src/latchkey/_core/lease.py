@@ -184,7 +184,7 @@ class LeaseCore:
                     limit=self.limit,
                     push=caps.push,
                     blocking=caps.blocking and self.limit == 1,
-                    poll_share=caps.poll_share,
+                    poll_share=self._backend.poll_share,
                 )
                 sent = attempts.sent
         except StoreUnavailable:

@@ -59,9 +59,6 @@ class Capabilities:
     """``list()`` and ``purge_expired()`` see every lease."""
     push: bool = False
     """Blocked waiters are woken by the store on release (otherwise they poll with backoff)."""
-    poll_share: float | None = None
-    """Without push, polls cheap enough to bound by the wait: a waiter polls at least every
-    ``poll_share`` times the time it has waited (15 ms at least; ``_core/waiting.py``)."""
     blocking: bool = False
     """A blocked acquire waits inside the server (``pg_advisory_lock``, ``GET_LOCK(key, t)``)
     and is granted there the moment the holder releases: see :meth:`Backend.acquire_blocking`."""
@@ -150,6 +147,10 @@ class BackendBase:
     #: False where an attempt does more than ask (ZooKeeper: a waiter's attempt refreshes its
     #: node in line).
     local_busy: ClassVar[bool] = True
+    #: Without push, polls cheap enough to bound by the wait (memcached): a waiter polls at
+    #: least every ``poll_share`` times the time it has waited (``_core/waiting.py``). None:
+    #: the plain backoff.
+    poll_share: ClassVar[float | None] = None
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         self.url = url

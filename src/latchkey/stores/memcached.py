@@ -71,8 +71,8 @@ class Memcached(Store):
     """Leases in memcached: ``add`` to take, CAS-checked meta commands to extend and release."""
 
     scheme = "memcached"
-    capabilities = Capabilities(durable=False, listing=False, survives_eviction=False,
-                                poll_share=0.02)  # fmt: skip
+    capabilities = Capabilities(durable=False, listing=False, survives_eviction=False)
+    poll_share = 0.02  # no push, cheap polls: the first waiter polls by its wait (waiting.md)
     options = {"prefix": Option(key_prefix, "latchkey:", "prefix of every key latchkey writes")}
     sync_driver = "latchkey.stores.io.memcached:MemcachedDriver"
     async_driver = "latchkey.stores.io.memcached_async:AsyncMemcachedDriver"

@@ -62,8 +62,9 @@ class Store:
     options: ClassVar[Mapping[str, Option]] = {}
     #: The driver's own connection-string options, passed through (see ``DriverOptions``).
     driver_options: ClassVar[DriverOptions | None] = None
-    #: See ``BackendBase.local_busy``.
+    #: See ``BackendBase.local_busy`` and ``BackendBase.poll_share``.
     local_busy: ClassVar[bool] = True
+    poll_share: ClassVar[float | None] = None
     #: ``"module:Class"`` of the sync driver (a :class:`~latchkey.stores.io.Driver`).
     sync_driver: ClassVar[str] = ""
     #: ``"module:Class"`` of the asyncio driver (an :class:`~latchkey.stores.io.aio.AsyncDriver`).
@@ -174,7 +175,7 @@ class StoreBackend(Backend):
                 store.options,
                 store.driver_options,
             )
-            cls.local_busy = store.local_busy
+            cls.local_busy, cls.poll_share = store.local_busy, store.poll_share
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)
@@ -334,7 +335,7 @@ class AsyncStoreBackend(AsyncBackend):
                 store.options,
                 store.driver_options,
             )
-            cls.local_busy = store.local_busy
+            cls.local_busy, cls.poll_share = store.local_busy, store.poll_share
 
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         super().__init__(url, client)
