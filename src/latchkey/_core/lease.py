@@ -20,7 +20,7 @@ from typing import Any
 from latchkey import _observe
 from latchkey._core.holds import Holds
 from latchkey._core.ops import CALL, Steps, background, call, renew, sleep, unrenew, user
-from latchkey._core.waiting import Attempts, wait_for
+from latchkey._core.waiting import Attempts, ask_in_turn, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
 from latchkey._owner import current_owner_json, new_owner_token
 from latchkey._types import Busy, Grant, Holder
@@ -169,11 +169,7 @@ class LeaseCore:
                 elif self.limit != 1 or name not in holds.queue:
                     result = yield (CALL, None, "acquire", args)
                 else:  # waiters of this process wait for this attempt's outcome
-                    holds.asks(name, 1)
-                    try:
-                        result = yield (CALL, None, "acquire", args)
-                    finally:
-                        holds.asks(name, -1)
+                    result = yield from ask_in_turn(holds, args)
             if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
                 caps = self._caps
                 attempts = Attempts(args, time.monotonic, sent, holds)

@@ -27,7 +27,7 @@ CAP_POLLING = 0.25
 #: caller's deadline). Without it, thousands of waiters in a few processes would each poll
 #: every second: ~200 store calls per grant with 2,500 waiters in 5 processes on Redis.
 CAP_BEHIND = 30.0
-#: Stores without push whose polls are cheap (``Capabilities.poll_share``: memcached): the
+#: Stores without push whose polls are cheap (``Backend.poll_share``: memcached): the
 #: first waiter of a process polls at least every ``poll_share`` times the time it has waited,
 #: and never less often than every QUICK_POLL seconds — a release is seen within about 2 %
 #: of the wait (15 ms early on) instead of the backoff's up to 250 ms.
@@ -112,16 +112,21 @@ class Attempts:
         holds = self.holds
         if holds is None or self.args[4] != 1:
             return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
-        name = self.args[0]
-        holds.asks(name, 1)
-        try:
-            return (yield call("acquire", *self.args))  # type: ignore[no-any-return]
-        finally:
-            holds.asks(name, -1)
+        return (yield from ask_in_turn(holds, self.args))
 
     def block(self, timeout: float | None) -> Steps[Grant | Busy]:
         self.sent = self.clock()
         return (yield call("acquire_blocking", *self.args, timeout))  # type: ignore[no-any-return]
+
+
+def ask_in_turn(holds: Holds, args: tuple[Any, ...]) -> Steps[Grant | Busy]:
+    """A mutex attempt, known to this process's waiters of the name while it is in flight
+    (they wait for its outcome instead of racing it: ``Holds.answer``)."""
+    holds.asks(args[0], 1)
+    try:
+        return (yield call("acquire", *args))  # type: ignore[no-any-return]
+    finally:
+        holds.asks(args[0], -1)
 
 
 def wait_for(
