@@ -283,7 +283,7 @@ class StoreBackend(Backend):
         return self._pinned(steps, "read rows", user=True)  # type: ignore[no-any-return]
 
     def rows_notify(self, spec: RowSpec, wake: str) -> None:
-        self._pinned(self._rows().rows_notify(spec, wake), "notify")
+        self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
 
     def _rows(self) -> RowClaims:
@@ -450,7 +450,7 @@ class AsyncStoreBackend(AsyncBackend):
         return await self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
 
     async def rows_notify(self, spec: RowSpec, wake: str) -> None:
-        await self._pinned(self._rows().rows_notify(spec, wake), "notify")
+        await self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
 
     async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:

@@ -401,9 +401,8 @@ class RowClaims:
         """Wake the waiters of ``wake``: PostgreSQL, a NOTIFY (every process); SQLite, the
         doorbells of the waiters on this machine; MySQL/MariaDB have no push (the backend
         wakes the waiters of this process; the others find the rows by polling)."""
-        sql = self.rows_wake_sql(wake)
-        if sql is not None:
-            yield Statement(sql)
+        if self.rows_wake_sql(wake) is not None:  # the same NOTIFY, its values as parameters
+            yield Query("SELECT pg_notify($1, $2)", (self.channel, wake.encode().hex()))  # type: ignore[attr-defined]
         elif self.ROWS is SQLITE:
             from latchkey.stores.io.doorbell import Ring
 
