@@ -112,9 +112,7 @@ class RowsCore:
         commits: run it where rows become due (the transaction that inserts them, or an
         ``AFTER INSERT … FOR EACH STATEMENT`` trigger's ``PERFORM``). None on the other
         stores: there :meth:`notify` wakes the waiters it can, and the rest poll."""
-        dialect = getattr(self.store.backend, "store", None)
-        wake_sql = getattr(dialect, "rows_wake_sql", None)
-        return None if wake_sql is None else wake_sql(wake_name(self.spec))
+        return self.store.backend.rows_wake_sql(wake_name(self.spec))  # type: ignore[no-any-return]
 
     def _notify(self) -> Steps[None]:
         yield call("rows_notify", self.spec, wake_name(self.spec))

@@ -152,6 +152,12 @@ class BackendBase:
     #: the plain backoff.
     poll_share: ClassVar[float | None] = None
 
+    def rows_wake_sql(self, wake: str) -> str | None:
+        """The statement, all literals, that wakes the row waiters subscribed to ``wake`` in
+        every process when the transaction running it commits; None (the default): the store
+        has none (no I/O; ``Rows.wake_sql``)."""
+        return None
+
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         self.url = url
         #: The application's own client the store borrows from (``connect(client=…)``), or

@@ -286,6 +286,9 @@ class StoreBackend(Backend):
         self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
 
+    def rows_wake_sql(self, wake: str) -> str | None:
+        return self._rows().rows_wake_sql(wake)
+
     def _rows(self) -> RowClaims:
         if not self.capabilities.rows:
             raise Unsupported(f"the {self.scheme} store does not support row claiming")
@@ -452,6 +455,9 @@ class AsyncStoreBackend(AsyncBackend):
     async def rows_notify(self, spec: RowSpec, wake: str) -> None:
         await self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
+
+    def rows_wake_sql(self, wake: str) -> str | None:
+        return self._rows().rows_wake_sql(wake)
 
     async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         steps = self._rows().rows_status(spec, limit)
