@@ -523,7 +523,8 @@ class RawMySameSQL:
             raise RuntimeError("raw-same-sql mirrors latchkey's MariaDB path only")
         texts = [
             t.replace("{t}", "bench_same_sql")
-            for t in (mysql.ACQUIRE_RETURNING, mysql.RELEASE_PREPARED)
+            # every statement latchkey's setup prepares (PREPARE names three)
+            for t in (mysql.ACQUIRE_RETURNING, mysql.RELEASE_PREPARED, mysql.CLAIM_ROW_PREPARED)
         ]
         self.cur.execute(mysql.PREPARE, texts)
         while self.cur.nextset():
