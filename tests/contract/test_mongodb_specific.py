@@ -281,30 +281,32 @@ def test_server_restart_keeps_leases(
 def test_a_call_of_several_requests_ends_within_one_timeout(
     mongo_url: str, connect: Callable[[str], latchkey.Store], fault: str
 ) -> None:
-    """Calls that take several requests — a store's first acquire (its index set up first),
-    a claim (a bulk write, then a read) — through a proxy: ``reset``, every connection
-    closed by a TCP reset, the client's monitor's too (each call opens a connection and
-    selects the server again: the chaos run's slow acquire, "server selection after a
-    reset"); ``latency``, every round trip ~0.8 s, each request within the 1 s timeout but
-    not two of them. Either way every call ends — granted or StoreUnavailable — within the
-    timeout and pymongo's half-second of server-selection slack. (With one timeout per
-    request instead of per call, ``latency`` took ~2 round trips, 1.6 s and more.)"""
+    """Calls of several requests — a store's first claim (its index set up first, then a bulk
+    write and a read), another store's first acquire (the index, then the acquire) — through
+    a proxy: ``reset``, every connection closed by a TCP reset, the client's monitor's too
+    (the chaos run's slow acquire was "server selection after a reset"); ``latency``, every
+    round trip ~0.65 s, each request within the 1 s timeout but not three of them. Either way
+    every call ends — granted or StoreUnavailable — within the timeout and pymongo's
+    half-second of server-selection slack. (With one timeout per request instead of per
+    call, the claim took three round trips under ``latency``: 1.85-1.91 s.)"""
     timeout = 1.0
     found = re.search(r"127\.0\.0\.1:(\d+)", mongo_url)
     assert found, mongo_url
     proxies = Proxies([("127.0.0.1", int(found.group(1)))])
     try:
         url = mongo_url.replace(found.group(0), f"127.0.0.1:{proxies.proxies[0].port}")
-        store = connect(with_query(url, timeout=f"{timeout:g}s"))
+        url = with_query(url, timeout=f"{timeout:g}s")
         name = f"test:{uuid.uuid4().hex[:12]}"
-        assert store.inspect(name) is None  # the client connected; no acquire yet (no index)
+        claimer, acquirer = connect(url), connect(url)
+        for store in (claimer, acquirer):  # connected; nothing acquired yet (no index)
+            assert store.inspect(name) is None
         if fault == "reset":
             proxies.reset()
         else:
-            proxies.set("pass", latency=0.4)  # each way: a round trip of ~0.8 s
+            proxies.set("pass", latency=0.3)  # each way
         calls: list[tuple[str, Callable[[], object]]] = [
-            ("first acquire", lambda: store.lock(name, ttl="30s", wait=0).acquire()),
-            ("claim", lambda: store.claim([f"{name}:a", f"{name}:b"], ttl="30s")),
+            ("first claim", lambda: claimer.claim([f"{name}:a", f"{name}:b"], ttl="30s")),
+            ("first acquire", lambda: acquirer.lock(name, ttl="30s", wait=0).acquire()),
         ]
         for what, call in calls:
             started = time.monotonic()
