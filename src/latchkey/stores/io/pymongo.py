@@ -24,9 +24,12 @@ release took up to two timeouts in a chaos run with server restarts (3.6 to 4.6 
 2 s, the likely cause being pymongo's retry of the write through a new server selection); with
 one ``pymongo.timeout`` per request, a primitive of two requests whose round trips were each
 within the timeout took longer than it in all (``tests/contract/test_mongodb_specific.py``).
-The client's own timeouts and retry settings apply within that bound. Known slack: pymongo's
-server selection looks at the deadline between waits of up to half a second
-(``MIN_HEARTBEAT_INTERVAL``), so a call that ends there may end up to 0.5 s past it.
+The client's own timeouts and retry settings apply within that bound. Known slack, pymongo's
+(4.20): server selection looks at the deadline between waits of up to half a second
+(``MIN_HEARTBEAT_INTERVAL``), so a call that ends there may end up to 0.5 s past it; and a
+new connection's handshake (``hello``, authentication) is not a client command, so the
+deadline does not reach it: its socket keeps ``socketTimeoutMS`` (the store timeout), and a
+connection opened just before the deadline can hold a call up to that much longer.
 """
 
 from __future__ import annotations
