@@ -316,6 +316,79 @@ def test_an_acquire_whose_answer_was_lost_gives_the_lease_back(
     )
 
 
+#: Names enough for a claim to span every master of the test cluster (three, 16,384 slots
+#: in three ranges: 24 random names all on two of them about one time in 50,000).
+CLAIMED = 24
+
+
+def _claim_bound(store: latchkey.Store, timeout: float) -> float:
+    """How long a claim may take to report a cut network: the timeout and a small margin;
+    on PostgreSQL the timeout + 1 s, where the watchdog ends what ``statement_timeout``
+    cannot (docs/reliability.md, a frozen server)."""
+    return timeout + 0.5 + (1.0 if store.scheme.startswith("postgresql") else 0.0)
+
+
+def test_a_claim_cut_off_is_unavailable_within_the_timeout(
+    cut: Cut,
+    name: str,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """A batch claim whose network is blackholed, with connections open to every server
+    (every master of a cluster) when the fault comes: StoreUnavailable within the timeout
+    and a small margin, whatever the claim does to give back what it may have taken. (A
+    cluster's claim gave its slots back in the foreground, through the same blackhole:
+    two timeouts.)"""
+    timeout = 1.0
+    store = connect(servers.with_query(cut.url, timeout=f"{timeout:g}s"))
+    names = [f"{name}:{i}" for i in range(CLAIMED)]
+    with store.claim(names, ttl="10s") as first:  # connections open before the fault
+        assert first.acquired == names
+    cut.proxies.set("blackhole")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.claim(names, ttl="2s")
+    took = time.monotonic() - started
+    bound = _claim_bound(store, timeout)
+    assert took < bound, f"claim: {took:.2f}s to report the cut (bound {bound:g}s)"
+
+
+def test_a_claim_whose_answer_was_lost_gives_the_names_back(
+    cut: Cut,
+    name: str,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """A batch claim that reaches the servers, which grant it, but whose answers are lost (a
+    proxy that drops the replies): StoreUnavailable within the timeout and a small margin,
+    nothing reported held, and every name it may have taken given back in the background
+    once the network heals, long before its 60 s lease would have ended."""
+    timeout = 1.0
+    store = connect(servers.with_query(cut.url, timeout=f"{timeout:g}s"))
+    other = connect(cut.other)
+    if not store.capabilities.ttl:
+        pytest.skip(f"{store.scheme}: a session lock ends with its connection already")
+    names = [f"{name}:{i}" for i in range(CLAIMED)]
+    with store.claim(names, ttl="10s") as first:  # connections open before the fault
+        assert first.acquired == names
+    cut.proxies.set("mute")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.claim(names, ttl="60s")
+    took = time.monotonic() - started
+    bound = _claim_bound(store, timeout)
+    assert took < bound, f"claim: {took:.2f}s to report the lost answers (bound {bound:g}s)"
+    cut.proxies.heal()
+
+    def all_free() -> bool:
+        try:
+            claim = other.claim(names, ttl="10s")
+        except StoreUnavailable:  # a connection the proxy reset as it healed, met once
+            return False
+        claim.release_all()
+        return claim.acquired == names
+
+    eventually(all_free, timeout=20, what="the claim's names given back")
+
+
 #: The rows whose servers are found through the URL's address, with a proxied setup: each
 #: in the xdist group of its server kind, as the store_row tests are (tests/conftest.py).
 DISCOVERED = [

@@ -9,7 +9,9 @@ tests/servers/mongodb.py); without one it is skipped, never faked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
 import statistics
 import threading
 import time
@@ -25,7 +27,8 @@ from latchkey._types import Busy, Grant
 from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.mongodb import AsyncMongoDBBackend, MongoDBBackend, lock_let
 from tests.conftest import ServerPool
-from tests.servers import RunningServer, ServerUnavailable, free_port
+from tests.faults.proxy import Proxies
+from tests.servers import RunningServer, ServerUnavailable, free_port, with_query
 
 _selected = {s.strip() for s in os.environ.get("LATCHKEY_TEST_STORES", "").split(",") if s}
 if _selected and "mongodb" not in _selected:
@@ -272,6 +275,47 @@ def test_server_restart_keeps_leases(
         server.start()
     assert isinstance(backend.acquire("job", B, INFO, 60), Busy)
     assert backend.release("job", A) is True
+
+
+@pytest.mark.parametrize("fault", ["reset", "latency"])
+def test_a_call_of_several_requests_ends_within_one_timeout(
+    mongo_url: str, connect: Callable[[str], latchkey.Store], fault: str
+) -> None:
+    """Calls of several requests — a store's first claim (its index set up first, then a bulk
+    write and a read), another store's first acquire (the index, then the acquire) — through
+    a proxy: ``reset``, every connection closed by a TCP reset, the client's monitor's too
+    (the chaos run's slow acquire was "server selection after a reset"); ``latency``, every
+    round trip ~0.65 s, each request within the 1 s timeout but not three of them. Either way
+    every call ends — granted or StoreUnavailable — within the timeout and pymongo's
+    half-second of server-selection slack. (With one timeout per request instead of per
+    call, the claim took three round trips under ``latency``: 1.85-1.91 s.)"""
+    timeout = 1.0
+    found = re.search(r"127\.0\.0\.1:(\d+)", mongo_url)
+    assert found, mongo_url
+    proxies = Proxies([("127.0.0.1", int(found.group(1)))])
+    try:
+        url = mongo_url.replace(found.group(0), f"127.0.0.1:{proxies.proxies[0].port}")
+        url = with_query(url, timeout=f"{timeout:g}s")
+        name = f"test:{uuid.uuid4().hex[:12]}"
+        claimer, acquirer = connect(url), connect(url)
+        for store in (claimer, acquirer):  # connected; nothing acquired yet (no index)
+            assert store.inspect(name) is None
+        if fault == "reset":
+            proxies.reset()
+        else:
+            proxies.set("pass", latency=0.3)  # each way
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("first claim", lambda: claimer.claim([f"{name}:a", f"{name}:b"], ttl="30s")),
+            ("first acquire", lambda: acquirer.lock(name, ttl="30s", wait=0).acquire()),
+        ]
+        for what, call in calls:
+            started = time.monotonic()
+            with contextlib.suppress(StoreUnavailable):  # or granted: either, in time
+                call()
+            took = time.monotonic() - started
+            assert took < timeout + 0.5, f"{what}: {took:.2f}s ({fault})"
+    finally:
+        proxies.close()
 
 
 # -- the asyncio backend -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 from latchkey import _observe
 from latchkey._core.holds import Holds
-from latchkey._core.ops import CALL, Steps, background, call, renew, sleep, unrenew, user
+from latchkey._core.ops import CALL, Op, Steps, background, call, renew, sleep, unrenew, user
 from latchkey._core.waiting import Attempts, ask_in_turn, wait_for
 from latchkey._durations import Duration, format_duration, parse_ttl, parse_wait
 from latchkey._owner import current_owner_json, new_owner_token
@@ -188,7 +188,7 @@ class LeaseCore:
             # timeout after the write): give back whatever this owner may hold, in the
             # background, so the caller gets the error now and the name is not held by
             # nobody until the lease ends (owner-checked: never anyone else's).
-            yield background(_give_back(self.name, owner, self.ttl))
+            yield background(give_back(call("release", self.name, owner), self.ttl))
             raise
         except LatchkeyError:
             raise
@@ -415,15 +415,16 @@ class LeaseCore:
 GIVE_BACK_FIRST, GIVE_BACK_CAP = 0.1, 2.0
 
 
-def _give_back(name: str, owner: str, ttl: float) -> Steps[None]:
-    """Release ``owner``'s lease on ``name`` if the store granted one whose answer was lost:
-    tried until a release gets an answer, or until the lease would have ended anyway. Run in
-    the background (a thread or a task), so a store that stays unreachable costs the caller
-    nothing."""
+def give_back(release: Op, ttl: float) -> Steps[None]:
+    """Carry out ``release`` — an owner-checked ``release`` of one name, or ``release_many``
+    of a batch claim's names — for a call that failed and may have taken them before its
+    answer was lost: tried until a release gets an answer, or until the lease would have
+    ended anyway. Run in the background (a thread or a task), so a store that stays
+    unreachable costs the caller nothing."""
     until, pause = time.monotonic() + ttl, GIVE_BACK_FIRST
     while True:
         try:
-            yield call("release", name, owner)
+            yield release
             return
         except StoreUnavailable:
             if time.monotonic() + pause >= until:

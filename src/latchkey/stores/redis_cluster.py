@@ -6,10 +6,12 @@ one slot and each single-name primitive is one script on the slot's master, as o
 What differs is what spans names:
 
 - a batch claim (and ``release_many``) is split by slot: one CLAIM script per slot, sent
-  together (:class:`Batch`: the driver may pipeline them, one round trip per node at best, one
-  per slot at worst). A claim stays one primitive: if any slot's part fails, every name of the
-  batch is given back (owner-checked RELEASE_MANY per slot, best effort) before the error
-  is raised, so a failed claim leaves nothing held that its caller does not know about;
+  together (:class:`Batch`: the driver pipelines them, one round trip per master, the masters
+  asked at once, the whole batch under one timeout). If any slot's part fails, the claim
+  raises, and the core gives every name of the batch back in the background (owner-checked
+  ``release_many``, as after any failed claim: :mod:`latchkey._core.claim`), so a failed
+  claim leaves nothing held that its caller does not know about and costs it one timeout
+  (given back here, in the foreground, a cut network cost a second one);
 - ``list`` and ``purge_expired`` SCAN every master (:class:`Masters`, :class:`OnNode`) and
   inspect or purge the names found, one script per slot and chunk. The plain store's expiry
   index (one sorted set per prefix) would live in one slot, and a script may touch only the
@@ -241,8 +243,7 @@ class RedisCluster(Redis):
         args = (owner, owner_info, _ttl_ms(ttl))
         replies = yield Batch([(S_CLAIM, [self.base(n) for n in g], args) for g in groups])
         failed = _first_error(replies)
-        if failed is not None:  # give back every part (a failed part may have run): owner-checked
-            yield Batch([(S_RELEASE_MANY, [self.base(n) for n in g], (owner,)) for g in groups])
+        if failed is not None:  # the core gives every part back (a failed part may have run)
             raise failed
         grants: dict[str, Grant] = {}
         for group, reply in zip(groups, replies, strict=True):

@@ -15,13 +15,21 @@ be without touching the application's: the collections and the admin database la
 are taken with their own codec options (``tz_aware``, UTC), read preference (primary) and
 write concern (``majority``, as latchkey's URL default) — see :func:`borrowed_targets`.
 
-Every request, over latchkey's own client or a borrowed one, runs inside
-``pymongo.timeout(store timeout)`` (client-side operation timeout): one bound for the whole
-request, server selection, connecting and pymongo's retry of a write included. With the
-per-step timeouts alone, a release took up to two timeouts in a chaos run with server restarts
-(3.6 to 4.6 s against 2 s; each step within its own timeout, the likely cause being pymongo's
-retry of the write through a new server selection). The client's own timeouts and retry
-settings apply within that bound.
+Every primitive, over latchkey's own client or a borrowed one, runs inside one
+``pymongo.timeout(store timeout)`` (client-side operation timeout, :meth:`MongoDriver.run`):
+one deadline for all its requests — an acquire's index set-up on first use, a claim's bulk
+write and its read, a purge's read and delete — each server selection, connection checkout,
+connect and operation, and pymongo's retry of a write. With the per-step timeouts alone, a
+release took up to two timeouts in a chaos run with server restarts (3.6 to 4.6 s against
+2 s, the likely cause being pymongo's retry of the write through a new server selection); with
+one ``pymongo.timeout`` per request, a primitive of two requests whose round trips were each
+within the timeout took longer than it in all (``tests/contract/test_mongodb_specific.py``).
+The client's own timeouts and retry settings apply within that bound. Known slack, pymongo's
+(4.20): server selection looks at the deadline between waits of up to half a second
+(``MIN_HEARTBEAT_INTERVAL``), so a call that ends there may end up to 0.5 s past it; and a
+new connection's handshake (``hello``, authentication) is not a client command, so the
+deadline does not reach it: its socket keeps ``socketTimeoutMS`` (the store timeout), and a
+connection opened just before the deadline can hold a call up to that much longer.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timezone
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import quote_plus
 
 import pymongo
@@ -41,12 +49,13 @@ from pymongo.errors import BulkWriteError, ConfigurationError, PyMongoError
 
 from latchkey._url import DriverOptions, StoreURL
 from latchkey.errors import ConfigError
-from latchkey.stores.io import Driver
+from latchkey.stores.io import Driver, Steps
 
 if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
 
 Document = dict[str, Any]
+T = TypeVar("T")
 DUPLICATE_KEY = 11000
 _DATABASE = re.compile(r"^[A-Za-z0-9_-]{1,63}$")
 
@@ -221,11 +230,12 @@ class MongoDriver(Driver):
         self.records = db[f"{store.collection}_records"]
         self.targets = {"locks": self.locks, "records": self.records, "admin": self.client.admin}
 
-    def answer(self, request: Any) -> Any:
-        with pymongo.timeout(self.backend.timeout):  # one bound for the whole request
-            return self._answer(request)
+    def run(self, steps: Steps[T], action: str) -> T:
+        """:meth:`Driver.run` inside one ``pymongo.timeout``: the primitive's deadline."""
+        with pymongo.timeout(self.backend.timeout):
+            return super().run(steps, action)
 
-    def _answer(self, request: Any) -> Any:
+    def answer(self, request: Any) -> Any:
         if type(request) is Call:
             return getattr(self.targets[request.target], request.method)(
                 *request.args, **request.kwargs

@@ -1,8 +1,9 @@
 """MongoDB through PyMongo's native asyncio client (``AsyncMongoClient``, PyMongo ≥ 4.13).
 
 The twin of :mod:`latchkey.stores.io.pymongo`: the same requests, awaited; the client's
-sockets are the loop's and nothing runs on a thread. Timeouts are the driver's (server
-selection, connect and every socket read bounded by the URL's ``timeout``); the driver closes
+sockets are the loop's and nothing runs on a thread. Each primitive runs inside one
+``pymongo.timeout`` of the URL's ``timeout``, as in the sync driver (server selection,
+connect, every socket read and every request of the primitive); the driver closes
 a connection whose operation failed, timed out or was cancelled, and the next call connects
 again. A request that may grant a lease (``Call.grants``) is not dropped when its caller is
 cancelled: it finishes first, so that the core's release after the cancellation reaches the
@@ -19,6 +20,7 @@ import pymongo
 from pymongo import AsyncMongoClient
 from pymongo.errors import PyMongoError
 
+from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, to_the_end
 from latchkey.stores.io.pymongo import (
     Call,
@@ -57,11 +59,14 @@ class AsyncMongoDriver(AsyncDriver):
         self.records = db[f"{store.collection}_records"]
         self.targets = {"locks": self.locks, "records": self.records, "admin": self.client.admin}
 
-    async def answer(self, request: Any) -> Any:
-        with pymongo.timeout(self.backend.timeout):  # one bound for the whole request
-            return await self._answer(request)
+    async def run(self, steps: Steps[T], action: str) -> T:
+        """:meth:`AsyncDriver.run` inside one ``pymongo.timeout``: the primitive's deadline
+        (a context variable of this task, which a request finished by ``to_the_end``, a task
+        of its own, inherits)."""
+        with pymongo.timeout(self.backend.timeout):
+            return await super().run(steps, action)
 
-    async def _answer(self, request: Any) -> Any:
+    async def answer(self, request: Any) -> Any:
         if type(request) is Call:
             method = getattr(self.targets[request.target], request.method)
             call = method(*request.args, **request.kwargs)

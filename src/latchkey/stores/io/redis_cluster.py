@@ -69,6 +69,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -177,6 +178,14 @@ def connection_class(settings: dict[str, Any], plain: Any, tls: Any) -> Any:
 
 
 NoScript = redis.exceptions.NoScriptError
+
+
+def _settle(future: Future[Any], fn: Any, *args: Any) -> None:
+    """``fn(*args)``'s value or error into ``future`` (a thread's work)."""
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
 
 
 def _moved(reply: Any) -> bool:
@@ -398,9 +407,10 @@ class ClusterDriver(Driver):
     def batch(self, scripts: Sequence[Script]) -> list[Any]:
         """The scripts in one pipeline per master (one round trip per node, through the
         node's own client: redis-py's cluster pipeline asks the server ``COMMAND GETKEYS``
-        for every EVALSHA, a round trip each). A part a node answers NOSCRIPT is loaded
-        there and sent again; one it answers MOVED or ASK (its slot moved) is sent again
-        through the cluster client, which follows the redirection and updates its map."""
+        for every EVALSHA, a round trip each), the masters asked at once (:meth:`_at_once`).
+        A part a node answers NOSCRIPT is loaded there and sent again; one it answers MOVED
+        or ASK (its slot moved) is sent again through the cluster client, which follows the
+        redirection and updates its map."""
         client = self.client
         by_node: dict[str, list[int]] = {}
         nodes: dict[str, Any] = {}
@@ -408,21 +418,60 @@ class ClusterDriver(Driver):
             node = client.get_node_from_key(keys[0])
             nodes[node.name] = node
             by_node.setdefault(node.name, []).append(i)
+        work = [(nodes[name], [scripts[i] for i in indexes]) for name, indexes in by_node.items()]
+        if len(work) == 1:
+            answered = [self._on_node(client, *work[0])]
+        else:
+            answered = self._at_once(client, work)
         replies: list[Any] = [None] * len(scripts)
-        for name, indexes in by_node.items():
-            node_client = client.get_redis_connection(nodes[name])
-            parts = [scripts[i] for i in indexes]
-            answers = self._pipeline(node_client, parts)
-            missing = [j for j, r in enumerate(answers) if isinstance(r, NoScript)]
-            if missing:
-                for lua in {parts[j][0] for j in missing}:
-                    node_client.execute_command("SCRIPT", "LOAD", lua.text)
-                again = self._pipeline(node_client, [parts[j] for j in missing])
-                for j, reply in zip(missing, again, strict=True):
-                    answers[j] = reply
+        for indexes, answers in zip(by_node.values(), answered, strict=True):
             for i, reply in zip(indexes, answers, strict=True):
-                replies[i] = self._part(scripts[i]) if _moved(reply) else reply
+                replies[i] = reply
         return replies
+
+    def _at_once(self, client: Any, work: list[tuple[Any, list[Script]]]) -> list[list[Any]]:
+        """Each master's part (:meth:`_on_node`) in a thread of its own, all waited for up to
+        one timeout from now: so a batch takes one round trip's time, and a master that does
+        not answer holds the batch up by one timeout, not one per master (sent one after
+        another, a blackholed cluster of three held a claim for three). A part not done by
+        then is answered by a TimeoutError (its thread ends by its own socket timeout; what
+        it may still take, the store's caller gives back, or its TTL ends)."""
+        done: list[Future[list[Any]]] = []
+        for node, parts in work:
+            future: Future[list[Any]] = Future()
+            threading.Thread(
+                target=_settle,
+                args=(future, self._on_node, client, node, parts),
+                name="latchkey-cluster-batch",
+                daemon=True,
+            ).start()
+            done.append(future)
+        deadline = time.monotonic() + self.timeout
+        answered: list[list[Any]] = []
+        for future, (node, parts) in zip(done, work, strict=True):
+            try:
+                answered.append(future.result(max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                late = redis.TimeoutError(f"{node.name}: no answer within {self.timeout:g}s")
+                answered.append([late] * len(parts))
+            except ERRORS as exc:
+                answered.append([exc] * len(parts))
+        return answered
+
+    def _on_node(self, client: Any, node: Any, parts: list[Script]) -> list[Any]:
+        """The replies of ``parts`` (scripts of slots ``node`` serves) in one pipeline; those
+        answered NOSCRIPT loaded and sent again, those answered MOVED or ASK routed."""
+        node_client = client.get_redis_connection(node)
+        answers = self._pipeline(node_client, parts)
+        missing = [j for j, r in enumerate(answers) if isinstance(r, NoScript)]
+        if missing:
+            for lua in {parts[j][0] for j in missing}:
+                node_client.execute_command("SCRIPT", "LOAD", lua.text)
+            again = self._pipeline(node_client, [parts[j] for j in missing])
+            for j, reply in zip(missing, again, strict=True):
+                answers[j] = reply
+        routed = zip(parts, answers, strict=True)
+        return [self._part(part) if _moved(reply) else reply for part, reply in routed]
 
     def _part(self, request: Script) -> Any:
         try:
