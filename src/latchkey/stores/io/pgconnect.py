@@ -22,7 +22,8 @@ that the whole attempt ends within the timeout:
 
 :func:`connecting` is the one connect, a generator that yields what it waits for (:class:`Wait`
 on the socket, :class:`Resolve` a host name) and is sent the answer; :func:`connect_pgconn`
-(select/poll) and :func:`aconnect_pgconn` (the event loop's readers and writers) drive it. The
+(select/poll) and ``psycopg_async.aconnect_pgconn`` (the event loop's readers and writers)
+drive it. The
 drivers wrap the finished ``PGconn`` in a ``psycopg.Connection`` / ``AsyncConnection`` (their
 documented constructor). What this cannot bound: a sync host-name lookup (the system's resolver
 takes no deadline), and libpq's own blocking steps, if any, between two polls.
@@ -30,7 +31,6 @@ takes no deadline), and libpq's own blocking steps, if any, between two polls.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import select
@@ -46,7 +46,7 @@ from psycopg.conninfo import make_conninfo
 
 from latchkey.stores.io.green import patched
 
-__all__ = ["Resolve", "Wait", "aconnect_pgconn", "attempts", "connect_pgconn", "connecting"]
+__all__ = ["Resolve", "Wait", "addresses", "attempts", "connect_pgconn", "connecting"]
 
 BAD = pq.ConnStatus.BAD
 POLL_OK = pq.PollingStatus.OK
@@ -276,64 +276,9 @@ def _lookup(resolve: Resolve) -> list[str] | OSError:
         )
     except OSError as exc:
         return exc
-    return _addresses(found)
+    return addresses(found)
 
 
-def _addresses(found: list[Any]) -> list[str]:
+def addresses(found: list[Any]) -> list[str]:
+    """getaddrinfo's answer: its addresses, each once, in its order."""
     return list(dict.fromkeys(str(item[4][0]) for item in found))
-
-
-# -- the asyncio shell -------------------------------------------------------------------------
-
-
-async def aconnect_pgconn(params: Mapping[str, Any], timeout: float) -> pq.abc.PGconn:
-    """:func:`connecting`, the event loop watching the socket (never blocking the loop but
-    for libpq's own non-blocking calls); a cancellation finishes the half-open connection."""
-    loop = asyncio.get_running_loop()
-    gen = connecting(params, timeout)
-    try:
-        request = next(gen)
-        while True:
-            if isinstance(request, Wait):
-                answer: Any = await _aready(loop, request)
-            else:
-                answer = await _alookup(loop, request)
-            request = gen.send(answer)
-    except StopIteration as done:
-        pgconn: pq.abc.PGconn = done.value
-        return pgconn
-    finally:
-        gen.close()
-
-
-async def _aready(loop: asyncio.AbstractEventLoop, wait: Wait) -> bool:
-    ready: asyncio.Future[bool] = loop.create_future()
-    fd = wait.fd
-    if wait.write:
-        loop.add_writer(fd, _answer, ready, True)
-    else:
-        loop.add_reader(fd, _answer, ready, True)
-    timer = loop.call_later(wait.seconds, _answer, ready, False)
-    try:
-        return await ready
-    finally:
-        timer.cancel()
-        (loop.remove_writer if wait.write else loop.remove_reader)(fd)
-
-
-def _answer(ready: asyncio.Future[bool], value: bool) -> None:
-    if not ready.done():
-        ready.set_result(value)
-
-
-async def _alookup(loop: asyncio.AbstractEventLoop, resolve: Resolve) -> list[str] | OSError:
-    lookup = loop.getaddrinfo(
-        resolve.host, resolve.port, proto=socket.IPPROTO_TCP, type=socket.SOCK_STREAM
-    )
-    try:
-        found = await asyncio.wait_for(lookup, resolve.seconds)
-    except asyncio.TimeoutError:
-        return TimeoutError(f"no answer within {resolve.seconds:.2f}s")
-    except OSError as exc:
-        return exc
-    return _addresses(found)

@@ -25,11 +25,12 @@ import contextlib
 import logging
 import secrets
 import select
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
@@ -43,7 +44,7 @@ from latchkey.stores.io.aio import (
     bounded,
     cut_after,
 )
-from latchkey.stores.io.pgconnect import aconnect_pgconn
+from latchkey.stores.io.pgconnect import Resolve, Wait, addresses, connecting
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     DRIVER_ERRORS,
@@ -121,9 +122,66 @@ def _set(ready: asyncio.Future[None]) -> None:
         ready.set_result(None)
 
 
+# -- opening a connection: the asyncio shell of pgconnect.connecting ----------------------------
+
+
+async def aconnect_pgconn(params: Mapping[str, Any], timeout: float) -> pq.abc.PGconn:
+    """:func:`~latchkey.stores.io.pgconnect.connecting`, the event loop watching the socket
+    (never blocking the loop but for libpq's own non-blocking calls) and resolving host names
+    within each host's share; a cancellation finishes the half-open connection."""
+    loop = asyncio.get_running_loop()
+    gen = connecting(params, timeout)
+    try:
+        request = next(gen)
+        while True:
+            if isinstance(request, Wait):
+                answer: Any = await _aready(loop, request)
+            else:
+                answer = await _alookup(loop, request)
+            request = gen.send(answer)
+    except StopIteration as done:
+        pgconn: pq.abc.PGconn = done.value
+        return pgconn
+    finally:
+        gen.close()
+
+
+async def _aready(loop: asyncio.AbstractEventLoop, wait: Wait) -> bool:
+    ready: asyncio.Future[bool] = loop.create_future()
+    fd = wait.fd
+    if wait.write:
+        loop.add_writer(fd, _answer, ready, True)
+    else:
+        loop.add_reader(fd, _answer, ready, True)
+    timer = loop.call_later(wait.seconds, _answer, ready, False)
+    try:
+        return await ready
+    finally:
+        timer.cancel()
+        (loop.remove_writer if wait.write else loop.remove_reader)(fd)
+
+
+def _answer(ready: asyncio.Future[bool], value: bool) -> None:
+    if not ready.done():
+        ready.set_result(value)
+
+
+async def _alookup(loop: asyncio.AbstractEventLoop, resolve: Resolve) -> list[str] | OSError:
+    lookup = loop.getaddrinfo(
+        resolve.host, resolve.port, proto=socket.IPPROTO_TCP, type=socket.SOCK_STREAM
+    )
+    try:
+        found = await asyncio.wait_for(lookup, resolve.seconds)
+    except asyncio.TimeoutError:
+        return TimeoutError(f"no answer within {resolve.seconds:.2f}s")
+    except OSError as exc:
+        return exc
+    return addresses(found)
+
+
 async def aconnect(params: Mapping[str, Any], timeout: float) -> Conn:
     """A new autocommit connection, opened within ``timeout`` seconds whatever the hosts
-    (:func:`~latchkey.stores.io.pgconnect.aconnect_pgconn`), then wrapped by psycopg's
+    (:func:`aconnect_pgconn`), then wrapped by psycopg's
     documented constructor with psycopg's defaults (``prepare_threshold`` 5)."""
     conn = psycopg.AsyncConnection(await aconnect_pgconn(params, timeout))
     await conn.set_autocommit(True)  # on a new, idle connection: no round trip
