@@ -5,10 +5,12 @@
         [--stores postgresql,postgresql+advisory] [--no-live]
 
 SRC is the ``src`` of the tree to measure (a ``git worktree add`` of an older commit, say).
-A hung host is a listening socket on loopback that nobody ever reads (the kernel completes the
-handshake, no byte comes back: a host that accepts and never answers). For each store, API,
-``timeout`` and one or two hung hosts: a fresh store's ``acquire(wait=0)`` is timed until it
-raises StoreUnavailable (the median of ``--repeat`` runs). Then, unless ``--no-live``, a hung
+A hung host is a socket on loopback whose connections are accepted and never read nor
+answered (a thread accepts them, so the backlog never fills: a host that accepts and never
+answers, as the fault proxy's blackhole; a full backlog would drop SYNs instead, which
+``tcp_user_timeout`` ends). For each store, API, ``timeout`` and one or two hung hosts: a
+fresh store's ``acquire(wait=0)`` is timed until it raises StoreUnavailable (the median of
+``--repeat`` runs). Then, unless ``--no-live``, a hung
 first host and a live PostgreSQL (its own disposable server, tests/servers) as the second: the
 time until the acquire succeeds. The promise (DESIGN §2.7): StoreUnavailable within the
 timeout; the live host reached within the time the hung one's share leaves it.
@@ -22,6 +24,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -75,6 +78,16 @@ def row(label: str, url: str, api: str, repeat: int) -> None:
     print(f"| {label} | {api} | {median:.2f} s ({spread}) | {', '.join(outcomes)} |", flush=True)
 
 
+def hold(listener: socket.socket, held: list[socket.socket]) -> None:
+    """Accept every connection and keep it, never reading nor answering."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        held.append(conn)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeouts", default="1,2,3")
@@ -83,11 +96,13 @@ def main() -> None:
     parser.add_argument("--no-live", action="store_true")
     args = parser.parse_args()
     print(f"latchkey from {Path(latchkey.__file__).parent}")
-    hung = []
+    hung: list[socket.socket] = []
+    held: list[socket.socket] = []
     for _ in range(2):
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
         listener.listen(64)
+        threading.Thread(target=hold, args=(listener, held), daemon=True).start()
         hung.append(listener)
     ports = [listener.getsockname()[1] for listener in hung]
     print("| store, hosts, timeout | API | time (median, range) | outcome |")
@@ -116,8 +131,8 @@ def main() -> None:
                             row(f"{kind}, hung then live, {timeout} s", url, api, args.repeat)
             finally:
                 server.stop()
-    for listener in hung:
-        listener.close()
+    for sock in hung + held:
+        sock.close()
 
 
 if __name__ == "__main__":
