@@ -170,3 +170,20 @@ def test_a_read_only_first_host_is_passed_over_for_read_write(
     only = _url(kind, [ro_port], "2s", "&target_session_attrs=read-write")
     _, error = _acquire(only, flavour)
     assert isinstance(error, StoreUnavailable) and "read-only" in str(error), error
+
+
+@pytest.mark.parametrize("flavour", APIS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_host_names_are_resolved_and_one_that_does_not_resolve_is_passed_over(
+    pg_port: int, kind: str, flavour: str
+) -> None:
+    """Host names are looked up before connecting (the asyncio API on the loop's resolver): a
+    name that does not resolve fails its attempt, named in the error if every host failed,
+    and ``localhost`` reaches the server."""
+    url = (f"{kind}://postgres@nohost.invalid:{pg_port},localhost:{pg_port}/postgres"
+           "?timeout=2s")  # fmt: skip
+    took, error = _acquire(url, flavour)
+    assert error is None, f"{error} ({took:.2f}s)"
+    _, error = _acquire(f"{kind}://postgres@nohost.invalid:{pg_port}/postgres?timeout=2s", flavour)
+    assert isinstance(error, StoreUnavailable), error
+    assert "nohost.invalid" in str(error) and "could not resolve" in str(error), error

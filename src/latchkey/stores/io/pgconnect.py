@@ -183,7 +183,11 @@ def _one(
             if status not in (POLL_READING, POLL_WRITING):
                 raise _Failed(f"unexpected poll status {status}")
             left = deadline - time.monotonic()
-            if left <= 0 or not (yield Wait(pgconn.socket, status == POLL_WRITING, left)):
+            try:
+                fd = pgconn.socket
+            except psycopg.OperationalError as exc:  # libpq let its socket go (-1)
+                raise _Failed(" ".join(str(exc).split())) from None
+            if left <= 0 or not (yield Wait(fd, status == POLL_WRITING, left)):
                 raise _Failed(f"no answer within {seconds:.2f}s (timeout expired)", True)
     finally:
         if not connected:
@@ -215,6 +219,8 @@ def connecting(
         if _needs_lookup(attempt):
             host, port = _param(attempt, "host") or "", _param(attempt, "port") or "5432"
             found = yield Resolve(host, port, share)
+            if not found:
+                found = OSError("no address")
             if isinstance(found, BaseException):
                 why = "no address within the time" if isinstance(found, TimeoutError) else found
                 failed.append(f"{where(attempt)}: could not resolve the host name: {why}")
