@@ -186,4 +186,4 @@ def test_host_names_are_resolved_and_one_that_does_not_resolve_is_passed_over(
     assert error is None, f"{error} ({took:.2f}s)"
     _, error = _acquire(f"{kind}://postgres@nohost.invalid:{pg_port}/postgres?timeout=2s", flavour)
     assert isinstance(error, StoreUnavailable), error
-    assert "nohost.invalid" in str(error) and "could not resolve" in str(error), error
+    assert "nohost.invalid" in str(error) and "resolve" in str(error), error
