@@ -13,7 +13,7 @@ are timed until they raise StoreUnavailable: the holder's ``extend`` (its old co
 thawed and the time until the store answers again is measured. Reported in seconds; a call
 that did not fail (it should) is reported as such. The promise (docs/reliability.md): within
 the timeout plus one second per network step, a step being a statement or a connection
-attempt (libpq's connect_timeout is at least 2 s).
+attempt (a PostgreSQL connect is bounded by the timeout as a whole, stores/io/pgconnect.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ requests; :class:`PsycopgDriver` answers them:
 Connections come from a :class:`~latchkey.stores.io.Pool` (checked without a round trip before
 each reuse: an idle connection has nothing to read unless the server ended it), are never used
 across ``fork()``, and a connection left in an unknown state by an error is closed. Every wait
-on the network is bounded by the server (``statement_timeout``, ``connect_timeout``), by TCP
+on the network is bounded: opening a connection by the timeout as a whole, whatever the hosts
+(:mod:`latchkey.stores.io.pgconnect`); a statement by the server (``statement_timeout``), by TCP
 (keepalives, ``tcp_user_timeout``: see :func:`connection_params`) and, for a server that is
 frozen or a network that swallows traffic, locally: a statement still running a second past the
 timeout has its socket shut down by the watchdog (:mod:`latchkey.stores.io.watchdog`) and fails
@@ -55,6 +56,7 @@ from latchkey._url import DriverOptions, Option, StoreURL, choice, known_to
 from latchkey.errors import ConfigError, StoreUnavailable
 from latchkey.stores.base import EventWaiter, Waiter
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive, psycopg_green
+from latchkey.stores.io.pgconnect import connect_pgconn
 from latchkey.stores.io.watchdog import WATCHDOG
 from latchkey.stores.rows_sql import Statement
 from latchkey.stores.sql import Query
@@ -242,10 +244,15 @@ LIBPQ = DriverOptions(
 def connection_params(
     url: StoreURL, config: Mapping[str, Any], application_name: str
 ) -> dict[str, Any]:
-    """libpq parameters from the URL: timeouts and keepalives bound every wait on the network."""
+    """libpq parameters from the URL: timeouts and keepalives bound every wait on the network.
+
+    ``connect_timeout`` is libpq's per-host bound; libpq leaves it to the application in the
+    non-blocking connect latchkey drives (:mod:`~latchkey.stores.io.pgconnect`), which bounds
+    the whole attempt by ``timeout`` and a host's share of it by ``connect_timeout`` when the
+    URL gives a shorter one."""
     timeout: float = config["timeout"]
     params: dict[str, Any] = {
-        "connect_timeout": max(2, math.ceil(timeout)),
+        "connect_timeout": max(1, math.ceil(timeout)),
         "keepalives": 1,
         "keepalives_idle": max(1, math.ceil(timeout / 2)),
         "keepalives_interval": 1,
@@ -307,10 +314,19 @@ os.register_at_fork(
 )
 
 
-def connect(params: Mapping[str, Any]) -> psycopg.Connection[Any]:
-    """A new autocommit connection."""
-    conn = psycopg.connect(autocommit=True, **params)
+def connect(params: Mapping[str, Any], timeout: float) -> psycopg.Connection[Any]:
+    """A new autocommit connection, opened within ``timeout`` seconds whatever the hosts
+    (:func:`~latchkey.stores.io.pgconnect.connect_pgconn`), then wrapped by psycopg's
+    documented constructor with psycopg's defaults (``prepare_threshold`` 5)."""
+    conn = open_connection(params, timeout)
     _OPEN.add(conn)
+    return conn
+
+
+def open_connection(params: Mapping[str, Any], timeout: float) -> psycopg.Connection[Any]:
+    """:func:`connect` without the fork bookkeeping (the session-lock driver keeps its own)."""
+    conn = psycopg.Connection(connect_pgconn(params, timeout))
+    conn.autocommit = True  # on a new, idle connection: no round trip
     return conn
 
 
@@ -333,8 +349,9 @@ def _warn_waits_in_c() -> None:
 class Session:
     """One autocommit connection guarded by a lock, reconnected lazily after failures/forks."""
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
+    def __init__(self, params: Mapping[str, Any], timeout: float) -> None:
         self.params = params
+        self.timeout = timeout  # opening a connection takes at most this long
         self.lock = threading.Lock()
         self.conn: psycopg.Connection[Any] | None = None
         self.generation = 0
@@ -390,7 +407,7 @@ class Session:
 
     def open(self) -> psycopg.Connection[Any]:
         """A new autocommit connection (not the shared one), for listeners."""
-        return connect(self.params)
+        return connect(self.params, self.timeout)
 
     def connection(self) -> psycopg.Connection[Any]:
         """The shared connection, opened if needed; call with :attr:`lock` held."""
@@ -458,7 +475,7 @@ class Link(Session):
     pool's (a link is used by one caller at a time), answering the store's requests."""
 
     def __init__(self, driver: PsycopgDriver) -> None:
-        super().__init__(driver.params)
+        super().__init__(driver.params, driver.timeout)
         self.driver = driver
         self.cut = False  # the watchdog shut its socket down: never to be used again
 
@@ -739,7 +756,9 @@ class PsycopgDriver(Driver):
             if "options" in theirs:  # ours after theirs (statement_timeout, TimeZone)
                 theirs["options"] = f"{theirs['options']} {own['options']}"
             self.params = {**own, **theirs}
-        self.listener = Listener(lambda: connect(self.params), store.channel, self._unclaimed)
+        self.listener = Listener(
+            lambda: connect(self.params, self.timeout), store.channel, self._unclaimed
+        )
 
     def _open(self) -> Link:
         link = Link(self)

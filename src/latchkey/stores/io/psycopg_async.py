@@ -2,11 +2,13 @@
 :mod:`latchkey.stores.io.psycopg`, answering the same requests of the same store.
 
 - ``Query`` and :class:`~latchkey.stores.io.psycopg.Prepared` run on connections of an
-  :class:`~latchkey.stores.io.aio.AsyncPool` (:class:`AsyncLink`). Each network await is
-  bounded twice: by the server (``statement_timeout``, ``connect_timeout``, TCP keepalives and
-  ``tcp_user_timeout``, as the sync driver sets them) and by a local deadline a second past
-  ``timeout``. A connection that timed out, failed, or whose coroutine was cancelled
-  mid-statement is closed, never reused half-read; the next call opens a new one.
+  :class:`~latchkey.stores.io.aio.AsyncPool` (:class:`AsyncLink`). Opening one is bounded by
+  ``timeout`` as a whole, whatever the hosts (:mod:`latchkey.stores.io.pgconnect`, the event
+  loop watching libpq's non-blocking connect). Each statement is bounded twice: by the server
+  (``statement_timeout``, TCP keepalives and ``tcp_user_timeout``, as the sync driver sets
+  them) and by a local deadline a second past ``timeout``. A connection that timed out,
+  failed, or whose coroutine was cancelled mid-statement is closed, never reused half-read;
+  the next call opens a new one.
 - ``Prepared`` skips psycopg's ``execute`` as the sync driver does: libpq directly
   (``psycopg.pq``), prepared once per connection, ``send_query_prepared``, the event loop
   watching the socket (:meth:`AsyncSession.run_prepared`).
@@ -23,11 +25,12 @@ import contextlib
 import logging
 import secrets
 import select
+import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
@@ -41,6 +44,7 @@ from latchkey.stores.io.aio import (
     bounded,
     cut_after,
 )
+from latchkey.stores.io.pgconnect import Resolve, Wait, addresses, connecting
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
     DRIVER_ERRORS,
@@ -118,6 +122,72 @@ def _set(ready: asyncio.Future[None]) -> None:
         ready.set_result(None)
 
 
+# -- opening a connection: the asyncio shell of pgconnect.connecting ----------------------------
+
+
+async def aconnect_pgconn(params: Mapping[str, Any], timeout: float) -> pq.abc.PGconn:
+    """:func:`~latchkey.stores.io.pgconnect.connecting`, the event loop watching the socket
+    (never blocking the loop but for libpq's own non-blocking calls) and resolving host names
+    within each host's share; a cancellation finishes the half-open connection."""
+    loop = asyncio.get_running_loop()
+    gen = connecting(params, timeout)
+    try:
+        request = next(gen)
+        while True:
+            if isinstance(request, Wait):
+                answer: Any = await _aready(loop, request)
+            else:
+                answer = await _alookup(loop, request)
+            request = gen.send(answer)
+    except StopIteration as done:
+        pgconn: pq.abc.PGconn = done.value
+        return pgconn
+    finally:
+        gen.close()
+
+
+async def _aready(loop: asyncio.AbstractEventLoop, wait: Wait) -> bool:
+    ready: asyncio.Future[bool] = loop.create_future()
+    fd = wait.fd
+    if wait.write:
+        loop.add_writer(fd, _answer, ready, True)
+    else:
+        loop.add_reader(fd, _answer, ready, True)
+    timer = loop.call_later(wait.seconds, _answer, ready, False)
+    try:
+        return await ready
+    finally:
+        timer.cancel()
+        (loop.remove_writer if wait.write else loop.remove_reader)(fd)
+
+
+def _answer(ready: asyncio.Future[bool], value: bool) -> None:
+    if not ready.done():
+        ready.set_result(value)
+
+
+async def _alookup(loop: asyncio.AbstractEventLoop, resolve: Resolve) -> list[str] | OSError:
+    lookup = loop.getaddrinfo(
+        resolve.host, resolve.port, proto=socket.IPPROTO_TCP, type=socket.SOCK_STREAM
+    )
+    try:
+        found = await asyncio.wait_for(lookup, resolve.seconds)
+    except asyncio.TimeoutError:
+        return TimeoutError(f"no answer within {resolve.seconds:.2f}s")
+    except OSError as exc:
+        return exc
+    return addresses(found)
+
+
+async def aconnect(params: Mapping[str, Any], timeout: float) -> Conn:
+    """A new autocommit connection, opened within ``timeout`` seconds whatever the hosts
+    (:func:`aconnect_pgconn`), then wrapped by psycopg's
+    documented constructor with psycopg's defaults (``prepare_threshold`` 5)."""
+    conn = psycopg.AsyncConnection(await aconnect_pgconn(params, timeout))
+    await conn.set_autocommit(True)  # on a new, idle connection: no round trip
+    return conn
+
+
 class AsyncSession:
     """One autocommit :class:`psycopg.AsyncConnection` guarded by an asyncio lock, opened
     lazily and replaced after a failure (the asyncio twin of ``psycopg.Session``)."""
@@ -129,16 +199,14 @@ class AsyncSession:
         self.generation = 0
         """Counts connections opened: a session-tied lock is valid only in its generation."""
         self.statement_guard = timeout + MARGIN
-        self.connect_guard = params["connect_timeout"] + MARGIN
+        self.timeout = timeout  # opening a connection takes at most this long
         self.prepared: set[bytes] = set()
         """Names of the statements :meth:`run_prepared` prepared on :attr:`conn`."""
         self._poller: Any = None  # a poll() object on conn's socket, made once per connection
 
     async def open(self) -> Conn:
-        """A new autocommit connection (not the shared one), within the connect deadline."""
-        return await guarded(
-            psycopg.AsyncConnection.connect(autocommit=True, **self.params), self.connect_guard
-        )
+        """A new autocommit connection (not the shared one), within the timeout."""
+        return await aconnect(self.params, self.timeout)
 
     async def connection(self) -> Conn:
         """The shared connection, opened if needed; call with :attr:`lock` held."""

@@ -2,8 +2,9 @@
 one statement, tell whether the server hung up — sync and asyncio.
 
 Connections are autocommit, with the libpq parameters of :func:`latchkey.stores.postgresql.
-connection_params` (connect and statement timeouts, TCP keepalives and ``tcp_user_timeout``),
-and every statement is bounded locally too, a second past ``timeout`` (a blocking wait: past
+connection_params` (statement timeout, TCP keepalives and ``tcp_user_timeout``), opened within
+the timeout as a whole whatever the hosts (:mod:`latchkey.stores.io.pgconnect`), and every
+statement is bounded locally too, a second past ``timeout`` (a blocking wait: past
 its ``lock_timeout``): by the watchdog (:mod:`latchkey.stores.io.watchdog`) in sync code, by
 the event loop in asyncio — a frozen server leaves neither hanging. Statements with a prepared
 name (``extra``) go to libpq directly (``psycopg.pq``): prepared once per connection, then one
@@ -29,7 +30,7 @@ from typing import Any, ClassVar, TypeVar
 import psycopg
 
 from latchkey.stores.io import psycopg_green
-from latchkey.stores.io.aio import bounded, cut_after
+from latchkey.stores.io.aio import cut_after
 from latchkey.stores.io.pgwatch import Watch
 from latchkey.stores.io.psycopg import (
     COMMAND_OK,
@@ -37,10 +38,12 @@ from latchkey.stores.io.psycopg import (
     TUPLES_OK,
     connection_params,
     deallocated,
+    open_connection,
     prepared_already,
     result_error,
     server_ended,
 )
+from latchkey.stores.io.psycopg_async import aconnect
 from latchkey.stores.io.sessions import Session, SessionDriver
 from latchkey.stores.io.sessions_async import AsyncSessionDriver
 from latchkey.stores.io.watchdog import WATCHDOG
@@ -98,7 +101,7 @@ class PsycopgSessions(SessionDriver):
         self.green = psycopg_green.patched()  # gevent/eventlet: statements wait on the hub
 
     def connect(self, spare: bool) -> PgSession:
-        return PgSession(psycopg.connect(autocommit=True, **self.params), spare)
+        return PgSession(open_connection(self.params, self.timeout), spare)
 
     def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
         return _watched(session, self.guard, self._execute, session, statement, params)
@@ -182,11 +185,7 @@ class AsyncPsycopgSessions(AsyncSessionDriver):
         self.guard = self.timeout + MARGIN
 
     async def connect(self, spare: bool) -> PgSession:
-        conn = await bounded(
-            psycopg.AsyncConnection.connect(autocommit=True, **self.params),
-            self.params["connect_timeout"] + MARGIN,
-        )
-        return PgSession(conn, spare)
+        return PgSession(await aconnect(self.params, self.timeout), spare)
 
     async def execute(self, session: PgSession, statement: Statement, params: Any) -> Any:
         name = statement.extra
