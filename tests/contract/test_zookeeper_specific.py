@@ -281,6 +281,60 @@ def test_a_hand_off_is_told_by_the_watch_event_alone(zk_url: str, limit: int) ->
         backend.close()
 
 
+def test_a_blocked_acquire_is_handed_the_lock_for_the_releases_request(
+    zk_url: str, api: str
+) -> None:
+    """Through the public API, sync and asyncio: from the holder's release call to the return
+    of the acquire blocked behind it, the server receives one request, the release's delete
+    (the fewest of three tries: pings count too)."""
+    url = zk_url + "&session_timeout=30s"
+    holder_store = latchkey.connect(url)
+    parent = holder_store.backend.store.parent("b")  # type: ignore[attr-defined]
+    counts = []
+    try:
+        with _kazoo(zk_url) as zk:
+            for _ in range(3):
+                holder = holder_store.lock("b", ttl="30s", wait=0)
+                assert holder.acquire()
+                acquired, done = threading.Event(), threading.Event()
+                thread = threading.Thread(target=_blocked_acquire, args=(api, url, acquired, done))
+                thread.start()
+                eventually(lambda: len(zk.get_children(parent)) == 2, what="the waiter in line")
+                time.sleep(0.2)  # its node made, its watch set: it waits
+                idle = -_srvr(zk_url, "Received") + _srvr(zk_url, "Received")
+                before = _srvr(zk_url, "Received")
+                holder.release()
+                assert acquired.wait(10)
+                counts.append(_srvr(zk_url, "Received") - before - idle)
+                done.set()
+                thread.join(10)
+        assert min(counts) == 1
+    finally:
+        holder_store.close()
+
+
+def _blocked_acquire(api: str, url: str, acquired: threading.Event, done: threading.Event) -> None:
+    """Acquire ``b`` (blocking), tell ``acquired``, hold it until ``done``, release."""
+    if api == "sync":
+        with latchkey.connect(url) as store:
+            lock = store.lock("b", ttl="30s", wait="10s")
+            assert lock.acquire()
+            acquired.set()
+            done.wait(10)
+            lock.release()
+        return
+
+    async def wait() -> None:
+        async with latchkey.connect_async(url) as store:
+            lock = store.lock("b", ttl="30s", wait="10s")
+            assert await lock.acquire()
+            acquired.set()
+            await asyncio.to_thread(done.wait, 10)
+            await lock.release()
+
+    asyncio.run(wait())
+
+
 def test_a_waiter_whose_session_may_end_soon_reads_the_line_first(zk_url: str) -> None:
     """Past a third of the session timeout since the waiter last sent a request, a watch
     event alone no longer hands the lease over: the session's end may be near (pings do not
