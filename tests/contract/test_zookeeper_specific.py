@@ -350,6 +350,31 @@ def test_a_waiter_whose_session_may_end_soon_reads_the_line_first(zk_url: str) -
         backend.close()
 
 
+def test_a_waiter_joins_the_line_of_a_name_purged_meanwhile(zk_url: str) -> None:
+    """Joining the line does not make the name's node each time (a create that fails is a
+    logged transaction too): if a purge took it since the first attempt, the join makes it.
+    The holder's node it would watch is gone: the waiter reads the line, and holds."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        holder, waiting = new_owner_token(), new_owner_token()
+        assert isinstance(backend.acquire("p", holder, INFO, 30.0, 1), Grant)
+        assert isinstance(backend.acquire("p", waiting, INFO, 30.0, 1), Busy)
+        assert backend.release("p", holder) is True
+        backend.purge_expired()  # the name's node, left empty, goes
+        with _kazoo(zk_url) as zk:
+            assert zk.exists(backend.store.parent("p")) is None  # type: ignore[attr-defined]
+        waiter = backend.wait_in_line("p", waiting, INFO, 30.0, 1)
+        assert waiter is not None
+        assert waiter.wait(0)  # its watch found the holder's node gone
+        grant = backend.acquire("p", waiting, INFO, 30.0, 1)
+        assert isinstance(grant, Grant)
+        waiter.finish(grant)
+        waiter.close()
+        assert backend.release("p", waiting) is True
+    finally:
+        backend.close()
+
+
 def test_force_release_deletes_a_line_front_to_back(zk_url: str) -> None:
     """A waiter handed the lease by its watch event alone counts on it: its own node is not
     deleted before the nodes ahead of it (it held the lease when its node went)."""

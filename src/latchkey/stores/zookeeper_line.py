@@ -231,7 +231,10 @@ class Line:
         watches = tuple(Watch(f"{parent}/{c}", entry.wake) for c in watched)
         listing = (Children(parent),) if whole else ()
         sent = time.monotonic()
-        _, created, *answers = yield Batch((Create(parent), mine, *listing, *watches))
+        created, *answers = yield Batch((mine, *listing, *watches))
+        if failed(created):  # the name's node was purged meanwhile: make it (a create that
+            sent = time.monotonic()  # fails is a logged transaction too: not sent each time)
+            _, created, *answers = yield Batch((Create(parent), mine, *listing, *watches))
         if failed(created):
             return None
         if any(map(failed, answers[len(listing) :])):
