@@ -236,6 +236,166 @@ def test_a_hand_off_costs_the_release_and_no_write_of_the_waiter(zk_url: str, li
         backend.close()
 
 
+def _requests_of_a_hand_off(
+    zk_url: str, backend: Any, name: str, limit: int, waited: float = 0.0
+) -> tuple[int, Grant]:
+    """``limit`` holders and a waiter in line behind them (for ``waited`` seconds), then the
+    last holder releases: the requests the server received from the release call to the
+    waiter's grant, less what a bare ``srvr`` adds (``Received`` counts it, and pings)."""
+    holders = [new_owner_token() for _ in range(limit)]
+    for owner in holders:
+        assert isinstance(backend.acquire(name, owner, INFO, 30.0, limit), Grant)
+    waiting = new_owner_token()
+    assert isinstance(backend.acquire(name, waiting, INFO, 30.0, limit), Busy)
+    waiter = backend.wait_in_line(name, waiting, INFO, 30.0, limit)
+    assert waiter is not None
+    assert isinstance(backend.acquire(name, waiting, INFO, 30.0, limit), Busy)
+    time.sleep(waited)
+    idle = -_srvr(zk_url, "Received") + _srvr(zk_url, "Received")
+    before = _srvr(zk_url, "Received")
+    assert backend.release(name, holders[-1]) is True
+    assert waiter.wait(10)
+    grant = backend.acquire(name, waiting, INFO, 30.0, limit)
+    requests = _srvr(zk_url, "Received") - before - idle
+    assert isinstance(grant, Grant)
+    waiter.finish(grant)
+    waiter.close()
+    for owner in [*holders[:-1], waiting]:
+        assert backend.release(name, owner) is True
+    return requests, grant
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_a_hand_off_is_told_by_the_watch_event_alone(zk_url: str, limit: int) -> None:
+    """The waiter read the whole line when it joined it, and watches every node ahead that
+    may be live: when the release's deletion comes as a watch event, it holds the lease with
+    no request of its own — the hand-off costs the server one request, the release's delete
+    (kazoo's Lock recipe lists the line again: two). The fewest of three tries (pings)."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        tries = [_requests_of_a_hand_off(zk_url, backend, f"e{i}", limit) for i in range(3)]
+        assert min(requests for requests, _ in tries) == 1
+        for _, grant in tries:  # its node's lease, bounded by the session
+            assert grant.remaining is not None and 20.0 < grant.remaining <= 30.0
+    finally:
+        backend.close()
+
+
+def test_a_blocked_acquire_is_handed_the_lock_for_the_releases_request(
+    zk_url: str, api: str
+) -> None:
+    """Through the public API, sync and asyncio: from the holder's release call to the return
+    of the acquire blocked behind it, the server receives one request, the release's delete
+    (the fewest of three tries: pings count too)."""
+    url = zk_url + "&session_timeout=30s"
+    holder_store = latchkey.connect(url)
+    parent = holder_store.backend.store.parent("b")  # type: ignore[attr-defined]
+    counts = []
+    try:
+        with _kazoo(zk_url) as zk:
+            for _ in range(3):
+                holder = holder_store.lock("b", ttl="30s", wait=0)
+                assert holder.acquire()
+                acquired, done = threading.Event(), threading.Event()
+                thread = threading.Thread(target=_blocked_acquire, args=(api, url, acquired, done))
+                thread.start()
+                eventually(lambda: len(zk.get_children(parent)) == 2, what="the waiter in line")
+                time.sleep(0.2)  # its node made, its watch set: it waits
+                idle = -_srvr(zk_url, "Received") + _srvr(zk_url, "Received")
+                before = _srvr(zk_url, "Received")
+                holder.release()
+                assert acquired.wait(10)
+                counts.append(_srvr(zk_url, "Received") - before - idle)
+                done.set()
+                thread.join(10)
+        assert min(counts) == 1
+    finally:
+        holder_store.close()
+
+
+def _blocked_acquire(api: str, url: str, acquired: threading.Event, done: threading.Event) -> None:
+    """Acquire ``b`` (blocking), tell ``acquired``, hold it until ``done``, release."""
+    if api == "sync":
+        with latchkey.connect(url) as store:
+            lock = store.lock("b", ttl="30s", wait="10s")
+            assert lock.acquire()
+            acquired.set()
+            done.wait(10)
+            lock.release()
+        return
+
+    async def wait() -> None:
+        async with latchkey.connect_async(url) as store:
+            lock = store.lock("b", ttl="30s", wait="10s")
+            assert await lock.acquire()
+            acquired.set()
+            await asyncio.to_thread(done.wait, 10)
+            await lock.release()
+
+    asyncio.run(wait())
+
+
+def test_a_waiter_whose_session_may_end_soon_reads_the_line_first(zk_url: str) -> None:
+    """Past a third of the session timeout since the waiter last sent a request, a watch
+    event alone no longer hands the lease over: the session's end may be near (pings do not
+    count: the waiter cannot see them), so it lists the line — a request that shows the
+    session alive — and its lease is bounded from that request on."""
+    backend = open_backend(zk_url + "&session_timeout=1.5s")
+    try:
+        tries = [_requests_of_a_hand_off(zk_url, backend, f"s{i}", 1, 0.6) for i in range(3)]
+        assert min(requests for requests, _ in tries) == 2  # the delete, the waiter's listing
+        for _, grant in tries:
+            assert grant.remaining is not None and grant.remaining <= 1.5
+    finally:
+        backend.close()
+
+
+def test_a_waiter_joins_the_line_of_a_name_purged_meanwhile(zk_url: str) -> None:
+    """Joining the line does not make the name's node each time (a create that fails is a
+    logged transaction too): if a purge took it since the first attempt, the join makes it.
+    The holder's node it would watch is gone: the waiter reads the line, and holds."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        holder, waiting = new_owner_token(), new_owner_token()
+        assert isinstance(backend.acquire("p", holder, INFO, 30.0, 1), Grant)
+        assert isinstance(backend.acquire("p", waiting, INFO, 30.0, 1), Busy)
+        assert backend.release("p", holder) is True
+        backend.purge_expired()  # the name's node, left empty, goes
+        with _kazoo(zk_url) as zk:
+            assert zk.exists(backend.store.parent("p")) is None  # type: ignore[attr-defined]
+        waiter = backend.wait_in_line("p", waiting, INFO, 30.0, 1)
+        assert waiter is not None
+        assert waiter.wait(0)  # its watch found the holder's node gone
+        grant = backend.acquire("p", waiting, INFO, 30.0, 1)
+        assert isinstance(grant, Grant)
+        waiter.finish(grant)
+        waiter.close()
+        assert backend.release("p", waiting) is True
+    finally:
+        backend.close()
+
+
+def test_force_release_deletes_a_line_front_to_back(zk_url: str) -> None:
+    """A waiter handed the lease by its watch event alone counts on it: its own node is not
+    deleted before the nodes ahead of it (it held the lease when its node went)."""
+    backend = open_backend(zk_url + "&session_timeout=30s")
+    try:
+        assert isinstance(backend.acquire("f", new_owner_token(), INFO, 30.0, 1), Grant)
+        for _ in range(2):
+            _in_line(backend, "f", 30.0)
+        parent = backend.store.parent("f")  # type: ignore[attr-defined]
+        with _kazoo(zk_url) as zk:
+            line = sorted(zk.get_children(parent), key=lambda c: c[-10:])
+            deleted: list[str] = []
+            for child in line:
+                zk.exists(f"{parent}/{child}", watch=lambda event: deleted.append(event.path))
+            assert backend.force_release("f") is True
+            eventually(lambda: len(deleted) == len(line), what="every deletion seen")
+        assert deleted == [f"{parent}/{child}" for child in line]
+    finally:
+        backend.close()
+
+
 def _in_line(backend: Any, name: str, ttl: float) -> tuple[str, Any]:
     """An owner with a node in line on ``name`` (its first attempt busy), and its waiter."""
     owner = new_owner_token()

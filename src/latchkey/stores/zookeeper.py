@@ -21,8 +21,9 @@ The rules (see docs/stores/zookeeper.md for what they mean to a holder):
 - The time a decision is made against ("now") is the ``mtime`` of the caller's own write in the
   same request (its create or refresh): every read that follows on the session sees at least
   every transaction before that write, so a node read as expired at that time had expired. A
-  woken waiter decides by a read instead, within bounds of the server's time, and writes only
-  when a node may have run out in between (:mod:`~latchkey.stores.zookeeper_line`).
+  woken waiter decides by its watches' deletion events when it watches every node ahead that
+  may be live, else by a read, within bounds of the server's time, and writes only when a
+  node may have run out in between (:mod:`~latchkey.stores.zookeeper_line`).
 - Extend (and a waiter's refresh) rewrite the node and compare the new ``mtime`` with the old
   ``mtime + t``: a node that had already run out is not revived — it is deleted, and extend
   answers None (a waiter joins the line again at the end).
@@ -35,8 +36,9 @@ The rules (see docs/stores/zookeeper.md for what they mean to a holder):
 Waiting (:class:`~latchkey.stores.zookeeper_line.Line`): ``wait_in_line`` puts the caller's
 node in line and sets a child watch (fires on deletion only) on the live node just ahead of it
 (mutex), or on the live nodes ahead it read (semaphores), so a release wakes the next waiter,
-not a herd; an attempt looks again only when a watch fired or time ran. Every request is one
-:class:`~latchkey.stores.io.kazoo.Batch`: pipelined, one round trip.
+not a herd; an attempt looks again only when a watch fired or time ran, and a lock's waiter
+with only the holder ahead takes the lease from that holder's deletion event, with no request.
+Every request is one :class:`~latchkey.stores.io.kazoo.Batch`: pipelined, one round trip.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class ZooKeeper(Line, Store):
         self._ready = False
         self._line: dict[tuple[str, str], InLine] = {}
         self._held: dict[tuple[str, str], Held] = {}
-        self._seen: dict[tuple[str, str], tuple[list[str], Busy, list[int]]] = {}  # _decide
+        self._seen: dict[tuple[str, str], tuple[list[str], Busy, list[int], bool]] = {}
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -296,10 +298,10 @@ class ZooKeeper(Line, Store):
         return [info for n in names if (info := _info(n, nodes[n], now)) is not None]
 
     def force_release(self, name: str) -> Steps[bool]:
+        """Delete every node of the name, front to back (``Line._handed_over`` counts on it)."""
         nodes, now = yield from self._read([name])
-        parent = self.parent(name)
         if nodes[name]:
-            yield Batch(tuple(Delete(f"{parent}/{n.child}") for n in nodes[name]))
+            yield Batch(tuple(Delete(f"{self.parent(name)}/{n.child}") for n in nodes[name]))
         return bool(holders(nodes[name], now))
 
     def purge_expired(self, limit: int | None) -> Steps[int]:

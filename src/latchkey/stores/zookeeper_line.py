@@ -2,7 +2,8 @@
 :class:`latchkey.stores.zookeeper.ZooKeeper`, whose docstring has the rules;
 :mod:`latchkey.stores.zookeeper_nodes` has the node format).
 
-A decision needs the server's time, and ZooKeeper has no clock read. Two ways to know it:
+A decision needs the server's time, and ZooKeeper has no clock read. Two ways to know it,
+and a third that needs no time:
 
 - *At a write* (exact): the ``mtime`` of the caller's own create or refresh in the same
   request. Every read that follows on the session sees every transaction before that write,
@@ -13,13 +14,19 @@ A decision needs the server's time, and ZooKeeper has no clock read. Two ways to
   ``hi``, that write's ``mtime`` plus the local time since it was sent (1 % faster, 2 ms
   more). A node ahead that ran out by ``lo`` stays out (never revived), one that lasts past
   ``hi`` is live; a node in between may have run out, and only then does the waiter decide
-  again at a write. So a hand-off — the node ahead deleted by its release, its watch fired —
-  costs the woken waiter one read: list the line, no live node ahead, granted.
+  again at a write.
+- *By the watches* (no request; a woken waiter that knows its whole line): a waiter that read
+  the whole line ahead at its last look (or when it joined the line, in the same request as
+  its node's create) and watches every node in it that may be live counts the deletions its
+  watches tell; with fewer than ``limit`` left, it holds the lease (:meth:`Line._handed_over`
+  says why that is sound). So a lock's hand-off — the holder just ahead deleted by its
+  release, its watch fired — costs the woken waiter nothing; else one read: list the line.
 
-A waiter granted by a read takes the lease as its node stands: its ``mtime`` is from the
-waiter's last write, less than a third of the TTL ago (a waiter rewrites its node when it is
-older), so the lease has at least two thirds of its TTL left, and ``Grant.remaining`` says how
-much (the core's deadline counts from there; the renewer extends it every third of that).
+A waiter granted by a read or by the watches takes the lease as its node stands: its ``mtime``
+is from the waiter's last write, less than a third of the TTL ago (a waiter rewrites its node
+when it is older), so the lease has at least two thirds of its TTL left, and
+``Grant.remaining`` says how much (the core's deadline counts from there; the renewer extends
+it every third of that).
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ class Line:
 
     _line: dict[tuple[str, str], InLine]
     _held: dict[tuple[str, str], Held]
-    _seen: dict[tuple[str, str], tuple[list[str], Busy, list[int]]]  # kept by _decide
+    _seen: dict[tuple[str, str], tuple[list[str], Busy, list[int], bool]]  # kept by _decide
+    session_timeout: float
 
     if TYPE_CHECKING:  # the store's own (ZooKeeper)
 
@@ -108,7 +116,7 @@ class Line:
         parent, seq = self.parent(name), int(path[-10:])
         ahead = [c for c in in_order(children) if int(c[-10:]) < seq]
         estimate = entry.latest() if by_read and entry is not None else int(stat.mtime)
-        nodes = yield from self._ahead(parent, ahead, limit, estimate)
+        nodes, read_all = yield from self._ahead(parent, ahead, limit, estimate)
         lo = max([int(stat.mtime), *(int(n.stat.mtime) for n in nodes)])
         hi = max(lo, entry.latest() if by_read and entry is not None else lo)
         live = [n for n in nodes if n.expires > lo]  # live for sure if after hi
@@ -127,29 +135,71 @@ class Line:
         if sum(n.expires > hi for n in live) < limit:
             return None  # a node ahead may have run out (only by a read: lo < hi)
         watched = live[-1:] if limit == 1 else live  # the deletions that may free a slot
+        whole = read_all and len(watched) == len(live)  # see InLine.whole
         if entry is None:
             yield Batch((Delete(path), *stale))
         else:
+            entry.whole = False
             ops = tuple(Watch(f"{parent}/{n.child}", entry.wake) for n in watched)
+            entry.heard = time.monotonic()
             answers = yield Batch((*stale, *ops))
             if any(map(failed, answers[len(stale) :])):
-                entry.wake()  # gone already
+                entry.wake()  # gone already: the waiter reads the line
+            entry.whole = whole
         soonest = min(live[:limit], key=lambda n: n.expires)
         busy = Busy(len(live), soonest.holder(), max(0, soonest.expires - hi) / 1000)
-        seen = ([n.child for n in watched], busy, [n.expires for n in watched])
+        seen = ([n.child for n in watched], busy, [n.expires for n in watched], whole)
         if entry is not None:
-            entry.watched, entry.busy, entry.expiries = seen
+            entry.watched, entry.busy, entry.expiries = seen[:3]
         else:  # for wait_in_line, which the core calls next when it waits
             self._seen[(name, owner)] = seen
             while len(self._seen) > SEEN:
                 self._seen.pop(next(iter(self._seen)))
         return busy
 
-    def _ahead(self, parent: str, ahead: list[str], limit: int, now: int) -> Steps[list[Node]]:
+    def _handed_over(self, name: str, owner: str, ttl: float, limit: int, entry: InLine,
+                     ) -> Grant | None:  # fmt: skip
+        """A hand-off told by the watches alone, without a request: the lease if fewer than
+        ``limit`` of the nodes that may be live ahead are left, else None (read the line).
+
+        - No other node can be ahead: the last look read the whole line ahead and watches
+          every node in it that may be live (``entry.whole``), and nodes only join at the end.
+        - Those it counts out are gone: a deletion event is final (nothing revives a node; a
+          watch found gone already when set is not counted: the waiter reads the line).
+        - Its own node is there: the event came on its session (kazoo has one at a time; the
+          loss of a session drops every watch, and fails every request not yet answered), so
+          the session was alive at that deletion, and with it the node — which latchkey
+          deletes only through its owner, once it ran out (not yet: checked below), or by
+          ``force_release``, which deletes a line front to back: the node ahead first, so
+          the waiter held the lease when its own node went.
+
+        The lease is the node as it stands, bounded as one granted by a read (:meth:`_judge`),
+        and by the session: that lives ``session_timeout`` past the request that set the
+        watches (``entry.heard``); past a third of it, the waiter reads instead."""
+        if not entry.whole:
+            return None
+        parent = self.parent(name)
+        left = [c for c in entry.watched if f"{parent}/{c}" not in entry.gone]
+        if len(left) >= limit:
+            return None
+        now = time.monotonic()
+        own = ttl - (now - entry.refreshed)
+        session = self.session_timeout - (now - entry.heard)
+        if entry.latest() >= int(entry.stat.mtime) + ttl_ms(ttl) or own <= 0:
+            return None  # its own node may have run out
+        if session < self.session_timeout * (1 - YOUNG):
+            return None  # the session's end is not far enough: a request pushes it back
+        return self._grant(name, owner, entry.path, entry.stat, ttl, limit, entry.info,
+                           min(own, session), entry.refreshed)  # fmt: skip
+
+    def _ahead(
+        self, parent: str, ahead: list[str], limit: int, now: int
+    ) -> Steps[tuple[list[Node], bool]]:
         """The nodes ahead that decide: the first and the last ``limit`` of them (the holders
-        and the nearest), and all of them only if fewer than ``limit`` of those are live."""
+        and the nearest), and all of them only if fewer than ``limit`` of those are live;
+        and whether every node ahead was read."""
         if not ahead:
-            return []
+            return [], True
         picks = sorted(
             {*range(min(limit, len(ahead))), *range(max(0, len(ahead) - limit), len(ahead))}
         )
@@ -160,7 +210,7 @@ class Line:
         if rest and live < limit:
             got = yield Batch(tuple(Get(f"{parent}/{ahead[i]}") for i in rest))
             read.update((i, read_node(ahead[i], a)) for i, a in zip(rest, got, strict=True))
-        return [n for _, n in sorted(read.items()) if n is not None]
+        return [n for _, n in sorted(read.items()) if n is not None], len(read) == len(ahead)
 
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
@@ -172,17 +222,28 @@ class Line:
         mine = Create(f"{parent}/{owner}-", encode(ttl, limit, owner_info), True, True)
         waiter = yield NewWaiter(name, owner)
         # The nodes that kept the caller's attempt waiting are ahead of its new node too:
-        # watched from the start, they spare its first look a listing of the whole line.
-        watched, busy, expiries = self._seen.pop((name, owner), ([], None, []))
+        # watched from the start, they spare its first look a listing of the whole line. If
+        # they were all that may be live ahead of it then (``whole``), the line as it stands
+        # right after the new node, read in the same request, tells whether they still are:
+        # then a release is handed over by its watch event alone (_handed_over).
+        watched, busy, expiries, whole = self._seen.pop((name, owner), ([], None, [], False))
         entry = InLine("", waiter, owner_info, None, 0.0, watched, busy, expiries)
         watches = tuple(Watch(f"{parent}/{c}", entry.wake) for c in watched)
+        listing = (Children(parent),) if whole else ()
         sent = time.monotonic()
-        _, created, *answers = yield Batch((Create(parent), mine, *watches))
+        created, *answers = yield Batch((mine, *listing, *watches))
+        if failed(created):  # the name's node was purged meanwhile: make it (a create that
+            sent = time.monotonic()  # fails is a logged transaction too: not sent each time)
+            _, created, *answers = yield Batch((Create(parent), mine, *listing, *watches))
         if failed(created):
             return None
-        if any(map(failed, answers)):
+        if any(map(failed, answers[len(listing) :])):
             entry.wake()  # gone already
-        (entry.path, entry.stat), entry.refreshed = created, sent
+        (entry.path, entry.stat), entry.refreshed, entry.heard = created, sent, sent
+        if whole:
+            line, child = in_order(answers[0]), entry.path.rsplit("/", 1)[1]
+            ahead = {c for c in line if int(c[-10:]) < int(child[-10:])}
+            entry.whole = child in line and ahead <= set(watched)
         self._line[(name, owner)] = entry
         return waiter
 
@@ -194,9 +255,10 @@ class Line:
         from what it last read, without a request, as long as the nodes it waits behind are
         live by the server's time estimated from its node's last write and the local time
         since (1 % slower, 2 ms less: an estimate only ever answers busy, never grants); if
-        one fired, it lists the line and decides by that read. Otherwise — its node is old,
-        a node ahead may have run out, its node is gone — it refreshes its node and decides
-        at that write (:meth:`_refresh`)."""
+        one fired, it holds the lease if the watches' events alone tell it
+        (:meth:`_handed_over`), else it lists the line and decides by that read. Otherwise —
+        its node is old, a node ahead may have run out, its node is gone — it refreshes its
+        node and decides at that write (:meth:`_refresh`)."""
         entry = self._line[(name, owner)]
         elapsed = time.monotonic() - entry.refreshed
         woken, entry.looked = entry.wakes != entry.looked, entry.wakes
@@ -208,6 +270,9 @@ class Line:
                     left = (min(alive) - estimate) / 1000
                     return Busy(entry.busy.holders, entry.busy.holder, max(0.0, left))
             else:
+                handed = self._handed_over(name, owner, ttl, limit, entry)
+                if handed is not None:
+                    return handed
                 (children,) = yield Batch((Children(self.parent(name)),))
                 if not failed(children) and entry.path.rsplit("/", 1)[1] in children:
                     looked = yield from self._judge(
@@ -225,6 +290,7 @@ class Line:
         the write's ``mtime``; a node that was deleted or had run out joins the line again at
         its end (it may have been skipped: never revived)."""
         parent, data = self.parent(name), encode(ttl, limit, entry.info)
+        entry.whole = False  # its node may change: its next look sets the watches again
         sent = time.monotonic()
         old, new, children = yield Batch(
             (Get(entry.path), SetData(entry.path, data), Children(parent))

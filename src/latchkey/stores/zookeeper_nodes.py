@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from latchkey._owner import Owner
 from latchkey._types import Busy, Holder
+from latchkey.stores.io.kazoo import deleted
 
 _CHILD = re.compile(r"^([0-9a-f]{32})-([0-9]{10})$")
 SEGMENT = re.compile(r"^[A-Za-z0-9_:.\-]{1,100}$")
@@ -149,13 +150,25 @@ class InLine:
     wakes: int = 0
     """Watch notices so far, and how many there had been at the last look."""
     looked: int = 0
+    whole: bool = False
+    """The watched nodes are every node ahead that may be live: the last look read the whole
+    line ahead, and each live node in it is watched."""
+    gone: set[str] = field(default_factory=set)
+    """The paths of watched nodes whose deletion a watch event told (nothing revives a node)."""
+    heard: float = 0.0
+    """When the request that set the watches was sent (local monotonic): the session lives at
+    least ``session_timeout`` past it."""
 
     def latest(self) -> int:
         """The latest the server's clock can read now (ms): the node's last write plus the
         local time since it was sent, 1 % faster, plus 2 ms."""
         return int(self.stat.mtime) + int((time.monotonic() - self.refreshed) * 1010) + 2
 
-    def wake(self, _event: Any = None) -> None:
-        """A watched node was deleted (on kazoo's thread, or at once if it was gone)."""
+    def wake(self, event: Any = None) -> None:
+        """A watch fired (on kazoo's thread), or found its node gone already (``event`` None,
+        on the caller's thread)."""
+        path = deleted(event)
+        if path is not None:
+            self.gone.add(path)
         self.wakes += 1
         self.waiter.wake()

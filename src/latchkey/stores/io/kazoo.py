@@ -43,6 +43,7 @@ from kazoo.exceptions import (
     NotEmptyError,
 )
 from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import EventType
 from kazoo.retry import KazooRetry
 
 from latchkey._types import Grant
@@ -113,12 +114,21 @@ class Multi(NamedTuple):
 
 
 class Watch(NamedTuple):
-    """A child watch on ``path`` → its children; ``wake`` is called (on kazoo's thread) when
-    the node is deleted. The lease nodes never have children, so this fires on deletion only —
-    not when the node's data changes (an ``exists`` watch would)."""
+    """A child watch on ``path`` → its children; ``wake`` is called (on kazoo's thread) with
+    kazoo's event when the node is deleted. The lease nodes never have children, so this fires
+    on deletion only — not when the node's data changes (an ``exists`` watch would) — or when
+    kazoo drops every watch because the connection was lost (it sets none again on its own):
+    :func:`deleted` tells the two apart. kazoo calls every watch on one thread, in the order
+    the server sent the events: a session's events come in the order of the transactions."""
 
     path: str
     wake: Callable[[Any], None]
+
+
+def deleted(event: Any) -> str | None:
+    """The path of the node a watch saw deleted; None when the watch ended otherwise (kazoo's
+    event of a lost connection, whose type is NONE; a child made under the node)."""
+    return event.path if event is not None and event.type == EventType.DELETED else None
 
 
 Op = Create | Get | Children | SetData | Delete | Multi | Watch
