@@ -329,6 +329,26 @@ def _claim_bound(store: latchkey.Store, timeout: float) -> float:
     return timeout + 0.5 + (1.0 if store.scheme.startswith("postgresql") else 0.0)
 
 
+CLAIM_TIMEOUT = 1.0
+
+
+def _claim_through(cut: Cut, store: latchkey.Store, name: str, fault: str, ttl: str) -> list[str]:
+    """Claim ``CLAIMED`` names once (connections open to every server), then again through
+    ``fault`` on the proxies: StoreUnavailable within the timeout and a small margin. The
+    names, for the caller's checks."""
+    names = [f"{name}:{i}" for i in range(CLAIMED)]
+    with store.claim(names, ttl="10s") as first:  # connections open before the fault
+        assert first.acquired == names
+    cut.proxies.set(fault)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable):
+        store.claim(names, ttl=ttl)
+    took = time.monotonic() - started
+    bound = _claim_bound(store, CLAIM_TIMEOUT)
+    assert took < bound, f"claim through {fault}: {took:.2f}s to fail (bound {bound:g}s)"
+    return names
+
+
 def test_a_claim_cut_off_is_unavailable_within_the_timeout(
     cut: Cut,
     name: str,
@@ -339,18 +359,8 @@ def test_a_claim_cut_off_is_unavailable_within_the_timeout(
     and a small margin, whatever the claim does to give back what it may have taken. (A
     cluster's claim gave its slots back in the foreground, through the same blackhole:
     two timeouts.)"""
-    timeout = 1.0
-    store = connect(servers.with_query(cut.url, timeout=f"{timeout:g}s"))
-    names = [f"{name}:{i}" for i in range(CLAIMED)]
-    with store.claim(names, ttl="10s") as first:  # connections open before the fault
-        assert first.acquired == names
-    cut.proxies.set("blackhole")
-    started = time.monotonic()
-    with pytest.raises(StoreUnavailable):
-        store.claim(names, ttl="2s")
-    took = time.monotonic() - started
-    bound = _claim_bound(store, timeout)
-    assert took < bound, f"claim: {took:.2f}s to report the cut (bound {bound:g}s)"
+    store = connect(servers.with_query(cut.url, timeout=f"{CLAIM_TIMEOUT:g}s"))
+    _claim_through(cut, store, name, "blackhole", "2s")
 
 
 def test_a_claim_whose_answer_was_lost_gives_the_names_back(
@@ -362,21 +372,11 @@ def test_a_claim_whose_answer_was_lost_gives_the_names_back(
     proxy that drops the replies): StoreUnavailable within the timeout and a small margin,
     nothing reported held, and every name it may have taken given back in the background
     once the network heals, long before its 60 s lease would have ended."""
-    timeout = 1.0
-    store = connect(servers.with_query(cut.url, timeout=f"{timeout:g}s"))
+    store = connect(servers.with_query(cut.url, timeout=f"{CLAIM_TIMEOUT:g}s"))
     other = connect(cut.other)
     if not store.capabilities.ttl:
         pytest.skip(f"{store.scheme}: a session lock ends with its connection already")
-    names = [f"{name}:{i}" for i in range(CLAIMED)]
-    with store.claim(names, ttl="10s") as first:  # connections open before the fault
-        assert first.acquired == names
-    cut.proxies.set("mute")
-    started = time.monotonic()
-    with pytest.raises(StoreUnavailable):
-        store.claim(names, ttl="60s")
-    took = time.monotonic() - started
-    bound = _claim_bound(store, timeout)
-    assert took < bound, f"claim: {took:.2f}s to report the lost answers (bound {bound:g}s)"
+    names = _claim_through(cut, store, name, "mute", "60s")
     cut.proxies.heal()
 
     def all_free() -> bool:
