@@ -147,23 +147,17 @@ async def aconnect_pgconn(params: Mapping[str, Any], timeout: float) -> pq.abc.P
 
 
 async def _aready(loop: asyncio.AbstractEventLoop, wait: Wait) -> bool:
-    ready: asyncio.Future[bool] = loop.create_future()
-    fd = wait.fd
-    if wait.write:
-        loop.add_writer(fd, _answer, ready, True)
-    else:
-        loop.add_reader(fd, _answer, ready, True)
-    timer = loop.call_later(wait.seconds, _answer, ready, False)
+    """:func:`_ready` within ``wait.seconds``: True if the socket became ready in time."""
+    watch = (
+        (loop.add_writer, loop.remove_writer)
+        if wait.write
+        else (loop.add_reader, loop.remove_reader)
+    )
     try:
-        return await ready
-    finally:
-        timer.cancel()
-        (loop.remove_writer if wait.write else loop.remove_reader)(fd)
-
-
-def _answer(ready: asyncio.Future[bool], value: bool) -> None:
-    if not ready.done():
-        ready.set_result(value)
+        await asyncio.wait_for(_ready(loop, wait.fd, *watch), wait.seconds)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 async def _alookup(loop: asyncio.AbstractEventLoop, resolve: Resolve) -> list[str] | OSError:
