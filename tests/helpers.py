@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import pytest
+
 T = TypeVar("T")
+
+
+def skip_or_fail(store: str, reason: str) -> None:
+    """A server the test needs could not be had: fail under CI (where every server must
+    run), else skip with the reason printed."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{store}: server required in CI but unavailable: {reason}")
+    pytest.skip(f"{store}: not run: {reason}")
 
 
 def eventually(probe: Callable[[], T], *, timeout: float = 10.0, what: str = "condition") -> T:

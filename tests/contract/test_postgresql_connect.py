@@ -23,6 +23,7 @@ import latchkey
 from latchkey import StoreUnavailable
 from tests.conftest import ServerPool
 from tests.faults.proxy import Proxy
+from tests.helpers import skip_or_fail
 from tests.servers import RunningServer, ServerUnavailable
 from tests.servers.postgresql import start as start_postgresql
 
@@ -35,19 +36,13 @@ APIS = ["sync", "asyncio"]
 SLACK = 0.5
 
 
-def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"postgresql: server required in CI but unavailable: {reason}")
-    pytest.skip(f"postgresql: not run: {reason}")
-
-
 @pytest.fixture
 def pg_port(server_pool: ServerPool) -> int:
     """The shared server's port (127.0.0.1, user and database postgres)."""
     try:
         url = server_pool.base_url("postgresql")
     except ServerUnavailable as exc:
-        _skip_or_fail(str(exc))
+        skip_or_fail("postgresql", str(exc))
         raise AssertionError("unreachable") from exc
     port = urlsplit(url).port
     assert port is not None
@@ -143,7 +138,7 @@ def read_only_server(tmp_path: Path) -> Iterator[RunningServer]:
     try:
         server = start_postgresql(tmp_path / "pg")
     except ServerUnavailable as exc:
-        _skip_or_fail(str(exc))
+        skip_or_fail("postgresql", str(exc))
         raise AssertionError("unreachable") from exc
     try:
         with psycopg.connect(server.url, autocommit=True) as sql:
