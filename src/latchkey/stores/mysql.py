@@ -50,6 +50,7 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, store_connect_args
 from latchkey.stores.io.mysql_session import SESSION, Contended, Duplicate
+from latchkey.stores.mysql_bells import RELEASE_QUIET, Bells, ours_marked
 from latchkey.stores.mysql_tables import Tables
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
@@ -72,16 +73,17 @@ TAKE_EXPIRED = """
 # never holds a raw tab). One column, not six: PyMySQL parses every column descriptor in
 # Python, which cost more than the statement itself; and a grant (the usual answer) carries
 # neither the owner JSON nor the times it does not need. The alias keeps the column's name
-# (otherwise this text, sent and parsed at every call) short. {me}: the owner token's marker.
+# (otherwise this text, sent and parsed at every call) short. {me}: the owner token's marker;
+# {waited}: on MariaDB, the lease's ``waited`` mark after the time left (mysql_bells.py).
 LEASE_TEXT = """IF(owner = {me},
     CONCAT_WS(CHAR(9 USING utf8mb4), 1, token, expires_at,
-              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at)),
+              TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at){waited}),
     CONCAT_WS(CHAR(9 USING utf8mb4), 0, token, expires_at, acquired_at,
               TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), expires_at), owner_info)) AS lease"""
 
 # The live leases of a name, soonest-expiring first, each as LEASE_TEXT. In: owner, name.
 LIVE_OF = f"""
-SELECT {LEASE_TEXT.format(me="%(owner)s")}
+SELECT {LEASE_TEXT.format(me="%(owner)s", waited="")}
   FROM {{t}} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6) ORDER BY expires_at"""
 
 # Mutex acquire: one statement. In: name, owner, info, ttl_us. Takes slot 0 if it is absent
@@ -102,7 +104,7 @@ ACQUIRE_RETURNING = f"""
 INSERT INTO {{t}} (name, slot, owner, owner_info, token, acquired_at, expires_at)
 VALUES (?, 0, ?, ?, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
 ON DUPLICATE KEY UPDATE {TAKE_EXPIRED}
-RETURNING {LEASE_TEXT.format(me="?")}"""
+RETURNING {LEASE_TEXT.format(me="?", waited=", waited")}"""
 
 # Semaphore acquire. In: name, owner, info, ttl_us, limit. First a plain read picks the slot
 # the owner already holds live, if any (the upsert then leaves it as it is), else the lowest
@@ -160,10 +162,9 @@ CLAIM_ROW_PREPARED = CLAIM_ROW.replace("%s", "?").strip().rstrip(";")
 EXECUTE_CLAIM_ROW = "\nEXECUTE latchkey_claim_row USING %s;"
 
 # Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
-# An expired row of ours is left for the next taker or purge (it is already free). Prepared
-# per connection on MariaDB (as RELEASE_PREPARED, with ? for %s).
+# An expired row of ours is left for the next taker or purge (it is already free). MariaDB
+# releases with RELEASE_QUIET instead (prepared per connection: mysql_bells.py).
 RELEASE = "DELETE FROM {t} WHERE name = %s AND owner = %s AND expires_at > UTC_TIMESTAMP(6)"
-RELEASE_PREPARED = RELEASE.replace("%s", "?")
 # Ends our live leases on many names. In: owner, names. Rowcount: how many were live.
 RELEASE_MANY = (
     "DELETE FROM {t} WHERE owner = %s AND name IN ({names}) AND expires_at > UTC_TIMESTAMP(6)"
@@ -229,7 +230,7 @@ def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc)
 
 
-class MySQL(Tables, RowClaims, LeaseTable):
+class MySQL(Tables, Bells, RowClaims, LeaseTable):
     """The lease table in MySQL or MariaDB (see the module docstring)."""
 
     scheme = "mysql"
@@ -243,7 +244,7 @@ class MySQL(Tables, RowClaims, LeaseTable):
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
     CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND = CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND
     RELEASE_FENCED = RELEASE_FENCED
-    RELEASE_PREPARED, CLAIM_ROW_PREPARED = RELEASE_PREPARED, CLAIM_ROW_PREPARED
+    RELEASE_QUIET, CLAIM_ROW_PREPARED = RELEASE_QUIET, CLAIM_ROW_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
@@ -256,8 +257,8 @@ class MySQL(Tables, RowClaims, LeaseTable):
         self.prepared = "mariadb" in server_version.lower()
         steps = [Query(SESSION, (self.lock_wait_timeout(),)), self.tables()]
         if self.prepared:
-            texts = (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED, self.CLAIM_ROW_PREPARED)
-            steps.append(Query(PREPARE, texts))
+            texts = (self.ACQUIRE_RETURNING, self.RELEASE_QUIET, self.CLAIM_ROW_PREPARED)
+            steps += [self.add_waited(), Query(PREPARE, texts)]
         return steps
 
     def lock_wait_timeout(self) -> int:
@@ -290,7 +291,9 @@ class MySQL(Tables, RowClaims, LeaseTable):
             return Busy(0)  # lost a deadlock: a race, not a busy lock; the core retries
         leases = [_text(row[0]).split("\t", 5) for row in rows]
         for lease in leases:
-            if lease[0] == "1":  # ours: '1', token, expires_at, microseconds left
+            if lease[0] == "1":  # ours: '1', token, expires_at, microseconds left[, waited]
+                if ours_marked(lease):
+                    self.took_marked(name, owner)
                 return Grant(int(lease[1]), _datetime(lease[2]), int(lease[3]) / 1e6)
         if not leases:
             return Busy(0)  # the lease we found live ended before we read it: retry
@@ -299,9 +302,14 @@ class MySQL(Tables, RowClaims, LeaseTable):
         return Busy(len(leases), holder, max(0.0, int(micros) / 1e6))
 
     def release(self, name: str, owner: str) -> Steps[bool]:
-        sql = EXECUTE_RELEASE if self.prepared else self.RELEASE
-        _, count = yield Query(sql, (name.encode(), owner))
-        return bool(count > 0)
+        if not self.prepared:
+            _, count = yield Query(self.RELEASE, (name.encode(), owner))
+            return bool(count > 0)
+        if not self.marked.pop((name, owner), False):
+            _, count = yield Query(EXECUTE_RELEASE, (name.encode(), owner))
+            if count > 0:
+                return True  # no one waited
+        return (yield from self.release_ringing(name, owner))  # marked, or not ours
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         params = {"name": name.encode(), "owner": owner, "ttl_us": _us(ttl)}
@@ -360,9 +368,22 @@ class MySQL(Tables, RowClaims, LeaseTable):
 class MySQLBackend(StoreBackend):
     store_class = MySQL
 
+    def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
+        """MariaDB: a lease's waiter has the process's bell rung (``mysql_bells``)."""
+        bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
+        if bell is None or not owner:
+            return super().wait_in_line(name, owner, owner_info, ttl, limit)
+        return bell.join(name)
+
 
 class AsyncMySQLBackend(AsyncStoreBackend):
     store_class = MySQL
+
+    async def wait_in_line(self, name: str, owner: str, info: str, ttl: float, limit: int) -> Any:
+        bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
+        if bell is None or not owner:
+            return await super().wait_in_line(name, owner, info, ttl, limit)
+        return await bell.join(name)
 
 
 def _text(value: str | bytes) -> str:

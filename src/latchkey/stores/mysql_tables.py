@@ -24,6 +24,7 @@ CREATE TABLE IF NOT EXISTS {t} (
     token       BIGINT         NOT NULL AUTO_INCREMENT,  -- fencing token, never reused
     acquired_at DATETIME(6)    NOT NULL,  -- UTC, server clock
     expires_at  DATETIME(6)    NOT NULL,  -- UTC, server clock; <= now means free
+    waited      TINYINT        NOT NULL DEFAULT 0,  -- 1: someone waits (MariaDB's bells)
     PRIMARY KEY (name, slot),
     KEY {t}_token (token),
     KEY {t}_expires (expires_at)
@@ -33,12 +34,32 @@ CREATE TABLE IF NOT EXISTS {t}_meta (
     v BIGINT      NOT NULL
 ) ENGINE=InnoDB;
 INSERT IGNORE INTO {t}_meta (k, v) VALUES ('schema_version', {version});
+CREATE TABLE IF NOT EXISTS {t}_bells (
+    name   VARBINARY(255)  NOT NULL,      -- a name some process waits for
+    server INT UNSIGNED    NOT NULL,      -- @@server_id of the server the process waits on
+    conn   BIGINT UNSIGNED NOT NULL,      -- CONNECTION_ID() of that process's bell
+    since  DATETIME(6)     NOT NULL,      -- when it began to wait: rung in this order
+    PRIMARY KEY (name, server, conn) USING BTREE,
+    KEY {t}_bells_since (name, server, since) USING BTREE
+) ENGINE=MEMORY;
 CREATE TABLE IF NOT EXISTS {t}_records (
     name    VARBINARY(255) NOT NULL PRIMARY KEY,
     value   LONGTEXT       NOT NULL,      -- JSON
     version BIGINT         NOT NULL       -- 1 after the first write, +1 per write
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4;
 """
+
+
+# MariaDB: a lease table made before the ``waited`` column (latchkey 0.1) gets it once, by
+# the first connection that finds it missing; looked up first (a compound statement), so
+# later connections take no table lock for it.
+ADD_WAITED = """
+BEGIN NOT ATOMIC
+  IF NOT EXISTS (SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()
+                 AND TABLE_NAME = '{t}' AND COLUMN_NAME = 'waited') THEN
+    ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waited TINYINT NOT NULL DEFAULT 0;
+  END IF;
+END"""
 
 
 class Tables:
@@ -50,3 +71,7 @@ class Tables:
     def tables(self) -> Query:
         """The script creating the tables if they do not exist (multi-statement)."""
         return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION))
+
+    def add_waited(self) -> Query:
+        """MariaDB: the ``waited`` column added to a lease table made without it."""
+        return Query(ADD_WAITED.format(t=self.table))

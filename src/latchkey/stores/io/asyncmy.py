@@ -43,6 +43,7 @@ from asyncmy.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
+from latchkey.stores.io.mysql_bell import AsyncBell
 from latchkey.stores.io.mysql_dsn import (
     WRITABLE,
     Hosts,
@@ -134,6 +135,8 @@ class Connection:
 
 class AsyncmyDriver(AsyncDriver):
     errors = (*ASYNC_DRIVER_ERRORS, Refused)
+    #: MariaDB's wake-up for this loop's waiters (None over a borrowed client: it polls).
+    bell: AsyncBell | None = None
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
@@ -157,6 +160,7 @@ class AsyncmyDriver(AsyncDriver):
             size=POOL_SIZE,
             check_after=IDLE_PING,
         )
+        self.bell = AsyncBell(self, self._open)
 
     async def _open(self) -> Connection:
         return await bounded(self._connect(), self.backend.timeout, _started())
@@ -249,6 +253,8 @@ class AsyncmyDriver(AsyncDriver):
             _STARTED.reset(token)
 
     async def aclose(self) -> None:
+        if self.bell is not None:
+            await self.bell.aclose()
         await self.pool.close()
 
     async def pin(self) -> AsyncPinned:

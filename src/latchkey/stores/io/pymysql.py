@@ -63,6 +63,7 @@ from pymysql.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
+from latchkey.stores.io.mysql_bell import Bell
 from latchkey.stores.io.mysql_dsn import WRITABLE, Hosts, address_text, hosts_of, read_only, reason
 from latchkey.stores.io.mysql_session import (
     READ_ONLY,
@@ -249,6 +250,8 @@ class Connection:
 
 class PyMySQLDriver(Driver):
     errors = (*DRIVER_ERRORS, Refused)
+    #: MariaDB's wake-up for this process's waiters (None over a borrowed client: it polls).
+    bell: Bell | None = None
 
     def __init__(self, backend: BackendBase, store: Any) -> None:
         super().__init__(backend, store)
@@ -261,6 +264,7 @@ class PyMySQLDriver(Driver):
         self.pool = Pool(self._open, Connection.close, alive=Connection.alive, size=POOL_SIZE)
         if len(addresses := hosts_of(backend.url)) > 1:
             self.hosts = Hosts(addresses)
+        self.bell = Bell(self, self._open)
 
     def _open(self) -> Connection:
         """A new connection for the call that asked for it: opening it (TCP, handshake,
@@ -335,6 +339,8 @@ class PyMySQLDriver(Driver):
             self.backend.unavailable(exc, action)
 
     def close(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
         self.pool.close()
 
     def pin(self) -> Pinned:

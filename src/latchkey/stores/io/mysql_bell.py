@@ -1,0 +1,445 @@
+"""MariaDB's bells, the I/O side: one connection per backend that sleeps in the server while
+this process waits for a name, and wakes the process's waiters when a release KILLs its
+sleep (the statements, and why no wake-up is lost: :mod:`latchkey.stores.mysql_bells`).
+
+- :class:`Bell` (sync) is started by the first waiter (``MySQLBackend.wait_in_line``): a
+  connection opened as any of the pool's (the same host, settings and deadline) and a daemon
+  thread that runs ``SELECT SLEEP(n)`` on it for as long as some waiter of the backend is in
+  a line (:mod:`latchkey.stores.io.lines`), and idles otherwise. A sleep ended by ``KILL
+  QUERY`` (error 1317) rings the first waiter of every name of the backend's lines: the
+  server does not say which name, and a process waits for few. A sleep that runs out
+  (``NAP``) is simply sent again. :class:`AsyncBell` is the twin, a task in the loop.
+- A waiter (:class:`BellWaiter`) is a line's waiter whose process's bell is in the name's
+  line in the server. A ring takes the bell out of that line, so before a woken waiter
+  sleeps again its bell goes back in (at the end: another process's turn has come) and the
+  waiter tries once more (its ``wait`` answers True at once), as after the first time.
+- The last waiter of a name in this process takes the bell out of the name's line; one that
+  was rung and leaves without the lease rings the next process if the name is free.
+- If the bell's connection fails, every waiter is woken once, tries, and from then on polls
+  (the core's backoff); the next wait starts a new bell. Nothing here decides who holds what.
+
+Why by hand: no driver offers server push for MySQL or MariaDB (neither server has one); the
+only cross-session wake-up either has is ending another session's statement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from latchkey._types import Busy, Grant
+from latchkey.errors import StoreUnavailable
+from latchkey.stores.base import AsyncWaiter, Waiter
+from latchkey.stores.io import after_fork, drive
+from latchkey.stores.io.aio import adrive
+from latchkey.stores.io.lines import AsyncLines, AsyncLineWaiter, Lines, LineWaiter
+from latchkey.stores.io.mysql_session import INTERRUPTED
+
+log = logging.getLogger("latchkey.mysql")
+
+#: How long one sleep of a bell lasts at most (seconds); then it is sent again.
+NAP = 30.0
+SLEEP = "SELECT SLEEP(%s)"
+WHO = "SELECT CONNECTION_ID()"
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether a driver error is a sleep ended by ``KILL QUERY``: the bell was rung."""
+    return bool(getattr(exc, "args", None)) and exc.args[0] == INTERRUPTED
+
+
+def ring(bell: Bell | AsyncBell, name: str | None, wake: bool = True) -> None:
+    """A ring of ``bell``: the bell goes back in the lines it may have been taken out of
+    before a waiter sleeps again, and (``wake``) the first waiter of ``name`` (None: of
+    every name) tries now."""
+    if name is None:
+        bell.epoch += 1
+    else:
+        bell.rung[name] = bell.rung.get(name, 0) + 1
+    if wake:
+        for each in list(bell.lines.names) if name is None else [name]:
+            bell.lines.ring(each)
+
+
+class Bell:
+    """One sync backend's bell (see the module docstring). ``driver`` runs the store's steps
+    (``run``); ``opener`` opens a connection as the pool's (``drain``, ``deadline``, ``timeout``,
+    ``close``)."""
+
+    def __init__(self, driver: Any, opener: Callable[[], Any]) -> None:
+        self.driver = driver
+        self.store = driver.store
+        self.opener = opener
+        self.lock = threading.Lock()  # starting and stopping
+        self.turn = threading.Lock()  # one name's bell in or out of its line at a time
+        self.pooled: Any = None
+        self.id = 0  # the bell's connection id (the store rings its own without a KILL)
+        self.epoch = 0  # rings of unknown name (KILLs) so far
+        self.rung: dict[str, int] = {}  # rings of a known name (this process's own releases)
+        self.registered: dict[str, tuple[int, int]] = {}  # name -> rings when its bell went in
+        self.skipped: set[str] = set()  # names left without a round trip (see leave)
+        self.waiting = threading.Event()  # a waiter came: the thread sleeps in the server
+        after_fork(self)
+
+    @property
+    def lines(self) -> Lines:
+        """The backend's lines (made after its driver)."""
+        return self.driver.backend.lines  # type: ignore[no-any-return]
+
+    def join(self, name: str) -> Waiter:
+        """A waiter for ``name``: in the backend's line, and the bell in the server's (a
+        plain line, which polls, if the bell cannot start)."""
+        line = self.lines.join(name)
+        try:
+            self.start()
+            self.register(name)
+        except StoreUnavailable as exc:
+            log.debug("waiting for %r without a bell: %s", name, exc)
+            return line
+        except BaseException:
+            line.close()
+            raise
+        return BellWaiter(self, line)
+
+    def start(self) -> None:
+        with self.lock:
+            if self.pooled is not None:
+                return
+            with self.driver.backend.translate("start a bell", self.driver.errors):
+                pooled = self.opener()
+                try:
+                    rows, _ = pooled.drain(WHO, None)
+                except BaseException:
+                    pooled.close()
+                    raise
+            self.pooled, self.id = pooled, int(rows[0][0])
+            self.store.bell = self
+            thread = threading.Thread(
+                target=self._run, args=(pooled,), name="latchkey-mysql-bell", daemon=True
+            )
+            thread.start()
+
+    def register(self, name: str) -> None:
+        """Put the bell in ``name``'s line (it keeps its place if there) and mark the live
+        lease; remembered only if no ring came meanwhile."""
+        with self.turn:
+            rings = self.rings(name)
+            needed = self.registered.get(name) != rings  # (not if a waiter of ours put it in)
+            self.driver.run(self.store.bell_in(name, self.id, needed), "wait")
+            self.skipped.discard(name)
+            if self.rings(name) == rings:
+                self.registered[name] = rings
+            self.waiting.set()
+
+    def rings(self, name: str) -> tuple[int, int]:
+        """The rings so far that may have taken the bell out of ``name``'s line."""
+        return self.epoch, self.rung.get(name, 0)
+
+    def rejoin(self, name: str) -> bool:
+        """Before a woken waiter sleeps again: True if the bell had to go back in line (the
+        waiter then tries at once), False if it is still there (or there is no bell)."""
+        if self.registered.get(name) == self.rings(name) or self.pooled is None:
+            return False
+        try:
+            self.register(name)
+        except StoreUnavailable:
+            return False  # the next attempt finds out; meanwhile it polls
+        return True
+
+    def leave(self, line: LineWaiter) -> None:
+        """After ``line`` left: if it was this process's last waiter of its name, the bell
+        leaves the name's line (and, rung in vain, rings the next). One that got the lease
+        after a ring skips the round trip: the ring took the bell out (if the ring was for
+        another name, the bell thread tidies up at its next ring: :meth:`tidy`)."""
+        name = line.name
+        with self.turn:
+            if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
+                return
+            if line.granted and went_in != self.rings(name):
+                self.rung.pop(name, None)
+                self.skipped.add(name)
+                return
+            self.rung.pop(name, None)
+            pass_on = line.rung and not line.granted
+            try:
+                self.driver.run(self.store.bell_out(name, self.id, pass_on), "wait")
+            except StoreUnavailable as exc:  # its ring will find nobody waiting: harmless
+                log.debug("bell for %r left behind: %s", name, exc)
+
+    def wake(self, name: str | None) -> None:
+        """A ring: the first waiter of ``name`` (None: of every name) tries now."""
+        ring(self, name)
+
+    def taken(self, name: str) -> None:
+        """This process's release took the bell out of ``name``'s line (and rings the line)."""
+        ring(self, name, wake=False)
+
+    def _run(self, pooled: Any) -> None:
+        pid = os.getpid()
+        try:
+            while self.pooled is pooled:
+                if not self.lines.names:  # nobody waits here: idle until a waiter comes
+                    self.waiting.clear()
+                    if not self.lines.names:
+                        self.waiting.wait(NAP)
+                    continue
+                pooled.deadline = time.monotonic() + NAP + pooled.timeout
+                try:
+                    pooled.drain(SLEEP, (NAP,))
+                    continue  # slept it out: nobody rang
+                except Exception as exc:
+                    if not interrupted(exc):
+                        raise
+                self.wake(None)
+                if self.skipped:
+                    self.tidy(pooled)
+        except Exception as exc:  # the connection failed: every waiter tries, then polls
+            log.debug("bell lost: %s", exc)
+        finally:
+            if os.getpid() == pid:
+                self._lost(pooled)
+
+    def tidy(self, pooled: Any) -> None:
+        """On the bell's connection, after a ring: the names left without a round trip that
+        nobody here waits for any more leave their lines for sure, and if one of them was
+        just rung (for nobody), the next is rung in its place."""
+        with self.turn:
+            names = [name for name in self.skipped if name not in self.lines.names]
+            self.skipped.clear()
+        for name in names:
+            pooled.deadline = time.monotonic() + pooled.timeout
+            drive(self.store.bell_out(name, self.id, True), pooled.answer)
+
+    def _lost(self, pooled: Any) -> None:
+        with self.lock:
+            if self.pooled is pooled:
+                self.pooled = None
+                self.store.bell = None
+                self.registered.clear()
+        pooled.close()
+        self.wake(None)
+
+    def close(self) -> None:
+        """Stop the bell: its thread ends when its connection is closed under it."""
+        with self.lock:
+            pooled, self.pooled = self.pooled, None
+            self.store.bell = None
+        self.waiting.set()
+        if pooled is not None:
+            with contextlib.suppress(OSError):
+                pooled.sock.shutdown(2)  # SHUT_RDWR: the sleeping read ends now
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the thread and the connection are the parent's."""
+        self.lock, self.turn = threading.Lock(), threading.Lock()
+        self.pooled, self.id, self.registered = None, 0, {}
+        self.waiting = threading.Event()
+        self.store.bell = None
+
+
+class BellWaiter(Waiter):
+    """A waiter of a line whose process's bell waits in the server's line (see the module)."""
+
+    def __init__(self, bell: Bell, line: LineWaiter) -> None:
+        self.bell, self.line = bell, line
+
+    def wait(self, timeout: float) -> bool:
+        if self.bell.rejoin(self.line.name):
+            self.line.event.clear()  # (a ring, if any: this answer is its)
+            return True
+        return self.line.wait(timeout)
+
+    @property
+    def ahead(self) -> int:
+        return self.line.ahead
+
+    def finish(self, result: Grant | Busy) -> None:
+        self.line.finish(result)
+
+    def close(self) -> None:
+        self.line.close()
+        self.bell.leave(self.line)
+
+
+class AsyncBell:
+    """The asyncio twin of :class:`Bell`: a task of the loop the backend is used in."""
+
+    def __init__(self, driver: Any, opener: Callable[[], Awaitable[Any]]) -> None:
+        self.driver = driver
+        self.store = driver.store
+        self.opener = opener
+        self.pooled: Any = None
+        self.task: asyncio.Task[None] | None = None
+        self.id = 0
+        self.epoch = 0
+        self.rung: dict[str, int] = {}
+        self.registered: dict[str, tuple[int, int]] = {}
+        self.skipped: set[str] = set()
+        self.turn: asyncio.Lock | None = None
+        self.waiting: asyncio.Event | None = None
+
+    @property
+    def lines(self) -> AsyncLines:
+        return self.driver.backend.lines  # type: ignore[no-any-return]
+
+    async def join(self, name: str) -> AsyncWaiter:
+        line = self.lines.join(name)
+        try:
+            await self.start()
+            await self.register(name)
+        except StoreUnavailable as exc:
+            log.debug("waiting for %r without a bell: %s", name, exc)
+            return line
+        except BaseException:
+            await line.close()
+            raise
+        return AsyncBellWaiter(self, line)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.task is not None and self.task.get_loop() is loop and not self.task.done():
+            return
+        if self.turn is None or self.task is not None:  # a first start, or in a new loop
+            self.turn, self.waiting = asyncio.Lock(), asyncio.Event()
+            self.task = self.pooled = None
+        async with self.turn:
+            if self.task is not None:
+                return  # started while we waited for the turn
+            with self.driver.backend.translate("start a bell", self.driver.errors):
+                pooled = await self.opener()
+                try:
+                    await pooled.cur.execute(WHO)
+                    rows = await pooled.cur.fetchall()
+                except BaseException:
+                    await pooled.close()
+                    raise
+            self.pooled, self.id = pooled, int(rows[0][0])
+            self.store.bell = self
+            self.task = loop.create_task(self._run(pooled))
+
+    async def register(self, name: str) -> None:
+        assert self.turn is not None and self.waiting is not None
+        async with self.turn:
+            rings = self.rings(name)
+            needed = self.registered.get(name) != rings
+            await self.driver.run(self.store.bell_in(name, self.id, needed), "wait")
+            self.skipped.discard(name)
+            if self.rings(name) == rings:
+                self.registered[name] = rings
+            self.waiting.set()
+
+    def rings(self, name: str) -> tuple[int, int]:
+        return self.epoch, self.rung.get(name, 0)
+
+    async def rejoin(self, name: str) -> bool:
+        if self.registered.get(name) == self.rings(name) or self.pooled is None:
+            return False
+        try:
+            await self.register(name)
+        except StoreUnavailable:
+            return False
+        return True
+
+    async def leave(self, line: AsyncLineWaiter) -> None:
+        name = line.name
+        if self.turn is None:
+            return
+        async with self.turn:
+            if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
+                return
+            if line.granted and went_in != self.rings(name):
+                self.rung.pop(name, None)
+                self.skipped.add(name)
+                return
+            self.rung.pop(name, None)
+            pass_on = line.rung and not line.granted
+            try:
+                steps = self.store.bell_out(name, self.id, pass_on)
+                await self.driver.run(steps, "wait")
+            except StoreUnavailable as exc:
+                log.debug("bell for %r left behind: %s", name, exc)
+
+    def wake(self, name: str | None) -> None:
+        ring(self, name)
+
+    def taken(self, name: str) -> None:
+        ring(self, name, wake=False)
+
+    async def _run(self, pooled: Any) -> None:
+        from latchkey.stores.io.asyncmy import drain
+
+        assert self.waiting is not None
+        timeout = self.driver.backend.timeout
+        try:
+            while self.pooled is pooled:
+                if not self.lines.names:
+                    self.waiting.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.waiting.wait(), NAP)
+                    continue
+                try:
+                    await asyncio.wait_for(drain(pooled.cur, SLEEP, (NAP,)), NAP + timeout)
+                    continue
+                except Exception as exc:
+                    if not interrupted(exc):
+                        raise
+                self.wake(None)
+                if self.skipped:
+                    await self.tidy(pooled)
+        except Exception as exc:
+            log.debug("bell lost: %s", exc)
+        finally:
+            if self.pooled is pooled:
+                self.pooled = None
+                self.store.bell = None
+                self.registered.clear()
+            await pooled.close()
+            self.wake(None)
+
+    async def tidy(self, pooled: Any) -> None:
+        assert self.turn is not None
+        async with self.turn:
+            names = [name for name in self.skipped if name not in self.lines.names]
+            self.skipped.clear()
+        timeout = self.driver.backend.timeout
+        for name in names:
+            steps = self.store.bell_out(name, self.id, True)
+            await asyncio.wait_for(adrive(steps, pooled.answer), timeout)
+
+    async def aclose(self) -> None:
+        task, self.task, self.pooled = self.task, None, None
+        self.store.bell = None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+class AsyncBellWaiter(AsyncWaiter):
+    """The asyncio twin of :class:`BellWaiter`."""
+
+    def __init__(self, bell: AsyncBell, line: AsyncLineWaiter) -> None:
+        self.bell, self.line = bell, line
+
+    async def wait(self, timeout: float) -> bool:
+        if await self.bell.rejoin(self.line.name):
+            self.line.event.clear()
+            return True
+        return await self.line.wait(timeout)
+
+    @property
+    def ahead(self) -> int:
+        return self.line.ahead
+
+    async def finish(self, result: Grant | Busy) -> None:
+        await self.line.finish(result)
+
+    async def close(self) -> None:
+        await self.line.close()
+        await self.bell.leave(self.line)
