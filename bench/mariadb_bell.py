@@ -15,6 +15,12 @@ CLOCK_MONOTONIC (one clock for every process on the machine):
   ``DELETE`` of the lease, then ``SELECT`` of the first waiter's id, as two statements of one
   multi-statement query — and, only when a waiter is there, ``KILL QUERY <id>`` on the same
   connection. The woken waiter inserts its lease row.
+- ``kill-txn``: latchkey's own protocol (``latchkey.stores.mysql_bells``), sent raw: the
+  release is one multi-statement round trip — in a transaction, the lease row made free (not
+  deleted), the first waiter's id read and ``KILL QUERY``'d, then ``COMMIT`` — so the woken
+  waiter's statement is on its way while the commit is flushed (it waits for the row lock);
+  the waiter takes the row over with an ``UPDATE``. The floor of latchkey's hand-off: the
+  same round trips and commits with none of latchkey's Python.
 - ``getlock``: the reference, a raw ``GET_LOCK`` hand-off (the waiter blocks in the server,
   the holder's ``RELEASE_LOCK`` wakes it): the least a server-side wake-up costs here.
 - ``poll``: the waiter polls the lease row every 50 ms (about the lease table's median today).
@@ -73,12 +79,17 @@ def waiter(url: str, subject: str, ready: Any, go: Any, out: Any) -> None:
     cur.execute("SELECT CONNECTION_ID()")
     me = cur.fetchone()[0]
     while True:
-        try:
-            cur.execute("INSERT INTO lease VALUES ('probe', 'w')")
-            break
-        except pymysql.err.IntegrityError:
-            pass
-        if subject == "kill":
+        if subject == "kill-txn":
+            cur.execute("UPDATE lease SET owner = 'w' WHERE name = 'probe' AND owner = ''")
+            if cur.rowcount == 1:
+                break
+        else:
+            try:
+                cur.execute("INSERT INTO lease VALUES ('probe', 'w')")
+                break
+            except pymysql.err.IntegrityError:
+                pass
+        if subject in ("kill", "kill-txn"):
             cur.execute("INSERT IGNORE INTO bell VALUES ('probe', %s, 0)", (me,))
             ready.set()
             try:  # a KILL QUERY ends it: MariaDB answers error 1317 (MySQL: SLEEP returns 1)
@@ -101,6 +112,8 @@ def hand_off(url: str, subject: str) -> float:
     cur = holder.cursor()
     if subject == "getlock":
         cur.execute("SELECT GET_LOCK('probe', 30)")
+    elif subject == "kill-txn":  # the row stays; '' is free
+        cur.execute("INSERT INTO lease VALUES ('probe', 'h') ON DUPLICATE KEY UPDATE owner = 'h'")
     else:
         cur.execute("INSERT INTO lease VALUES ('probe', 'h')")
     ready, go, out = mp.Event(), mp.Event(), mp.Queue()
@@ -111,6 +124,16 @@ def hand_off(url: str, subject: str) -> float:
     started = time.monotonic()
     if subject == "getlock":
         cur.execute("SELECT RELEASE_LOCK('probe')")
+    elif subject == "kill-txn":
+        cur.execute(
+            "START TRANSACTION;"
+            " UPDATE lease SET owner = '' WHERE name = 'probe' AND owner = 'h';"
+            " SET @w = (SELECT conn FROM bell WHERE name = 'probe' ORDER BY since LIMIT 1);"
+            " DELETE FROM bell WHERE name = 'probe' AND conn = @w;"
+            " KILL QUERY @w; COMMIT"
+        )
+        while cur.nextset():
+            pass
     elif subject == "kill":
         cur.execute(
             "DELETE FROM lease WHERE name = 'probe' AND owner = 'h';"
@@ -139,7 +162,9 @@ def main() -> None:
             setup = connect(env["mysql"])
             for sql in SETUP:
                 setup.cursor().execute(sql)
-            times: dict[str, list[float]] = {"kill": [], "getlock": [], "poll": []}
+            times: dict[str, list[float]] = {
+                "kill-txn": [], "kill": [], "getlock": [], "poll": []
+            }
             for _ in range(args.reps):
                 for subject in times:  # interleaved, so each sees the same load
                     times[subject].append(hand_off(env["mysql"], subject))
