@@ -693,6 +693,22 @@ def test_a_cas_remembered_before_a_restart_is_never_used_after_it(
     assert info is not None and b.release("job", B) is True
 
 
+def _connections(port: int) -> int:
+    """The server's open client connections, as its ``stats`` counts them (this one too)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"stats\r\n")
+        reply = b""
+        while not reply.endswith(b"END\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    for line in reply.decode().splitlines():
+        if line.startswith("STAT curr_connections "):
+            return int(line.split()[2])
+    raise AssertionError(f"no curr_connections in the server's stats: {reply!r}")
+
+
 def _all_threads_stopped(pid: int) -> bool:
     """True once every thread of ``pid`` is in the stopped state (kill() does not wait)."""
     tasks = Path(f"/proc/{pid}/task")
@@ -954,6 +970,7 @@ def test_async_request_cancelled_mid_reply_is_never_pooled(
             await b.inspect("warm-up")
             pool = _async_pool(b)
             (conn,) = pool.idle
+            base = _connections(server.port) - 1  # without the pooled one, which goes
             os.kill(server.pid, signal.SIGSTOP)
             try:
                 await asyncio.to_thread(
@@ -968,6 +985,13 @@ def test_async_request_cancelled_mid_reply_is_never_pooled(
                 os.kill(server.pid, signal.SIGCONT)
             assert conn.is_closing() and pool.idle == []
             assert not b.store._held  # the grant never reached us: nothing remembered…
+            # The thawed server reads what the closed connection had sent (the add, if it
+            # went out) before it sees the close: once that connection is gone from its
+            # stats, the add's fate is settled and the next look sees it.
+            gone = "the old connection gone"
+            await asyncio.to_thread(
+                eventually, lambda: _connections(server.port) <= base, what=gone
+            )
             info = await b.inspect("n")  # …but the server stored it if the add was sent
             if info is not None:  # (the usual case; under load the cancel can come first)
                 assert await b.release("n", A) is True  # by reading: owner-checked, by CAS
