@@ -242,3 +242,75 @@ def test_a_table_made_before_the_bells_gets_its_column(
     with latchkey.connect(with_query(store_url, table=old)) as store, store.lock("x") as lock:
         assert lock.token
         assert "waited" in {row[0] for row in sql(f"SHOW COLUMNS FROM {old}")}
+
+
+def test_a_lost_bell_leaves_its_waiters_to_their_polls_and_the_next_wait_rings_again(
+    store_url: str, sql: Callable[..., Any], connect: Callable[[str], latchkey.Store]
+) -> None:
+    """The bell's connection killed under a waiting process (a server restart, a DBA's
+    KILL): its waiters are woken, try, and go on polling; the wait still ends with the lease
+    once the holder releases; the next wait of the process starts a new bell, which rings."""
+    store = connect(store_url)
+    holder = _spawn(HOLDER, store_url, "k")
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        got: dict[str, Any] = {}
+        thread = _waiting_thread(store, "k", got)
+        eventually(lambda: _bells(sql, "k") == 1, what="the waiter's bell in line")
+        (bell,) = sql("SELECT conn FROM {t}_bells WHERE name = %s", b"k")[0]
+        sql(f"KILL CONNECTION {int(bell)}")
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        thread.join(30)  # by its polls (at most 250 ms apart), not by a ring
+        assert not thread.is_alive() and got["acquired"]
+    finally:
+        _stop(holder)
+    holder = _spawn(HOLDER, store_url, "k")  # again: a new bell, rung
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        got = {}
+        thread = _waiting_thread(store, "k", got)
+        eventually(lambda: _bells(sql, "k") == 1, what="the new bell in line")
+        (again,) = sql("SELECT conn FROM {t}_bells WHERE name = %s", b"k")[0]
+        assert int(again) != int(bell)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        thread.join(RUNG_WITHIN)
+        assert not thread.is_alive() and got["acquired"]
+    finally:
+        _stop(holder)
+
+
+def test_one_process_waiting_for_two_names_is_rung_for_each(
+    store_url: str, sql: Callable[..., Any], connect: Callable[[str], latchkey.Store],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """One bell, two names: a ring (the server does not say for which name) wakes the first
+    waiter of each; the one whose name is still held goes back to sleep, its bell back in
+    that line, and the other name's release later rings it too."""
+    _slow_polls(monkeypatch)
+    holders = [_spawn(HOLDER, store_url, name) for name in ("a", "b")]
+    try:
+        for proc in holders:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "held"
+        store = connect(store_url)
+        got_a: dict[str, Any] = {}
+        got_b: dict[str, Any] = {}
+        first = _waiting_thread(store, "a", got_a)
+        second = _waiting_thread(store, "b", got_b)
+        eventually(lambda: _bells(sql, "a") == 1 and _bells(sql, "b") == 1, what="both lines")
+        for proc, thread in ((holders[0], first), (holders[1], second)):
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            thread.join(RUNG_WITHIN)
+            assert not thread.is_alive(), "a release did not ring its waiter"
+            eventually(lambda: len(sql("SELECT * FROM {t}_bells WHERE name IN ('a', 'b')")) < 2,
+                       what="one line fewer")  # fmt: skip
+        assert got_a["acquired"] and got_b["acquired"]
+    finally:
+        for proc in holders:
+            _stop(proc)
