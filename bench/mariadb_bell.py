@@ -79,7 +79,11 @@ def waiter(url: str, subject: str, ready: Any, go: Any, out: Any) -> None:
     cur.execute("SELECT CONNECTION_ID()")
     me = cur.fetchone()[0]
     while True:
-        if subject == "kill-txn":
+        if subject == "handover":  # did the release hand it to us? (waits for its commit)
+            cur.execute("SELECT 1 FROM lease WHERE name = 'probe' AND owner = 'w' LOCK IN SHARE MODE")
+            if cur.fetchall():
+                break
+        elif subject == "kill-txn":
             cur.execute("UPDATE lease SET owner = 'w' WHERE name = 'probe' AND owner = ''")
             if cur.rowcount == 1:
                 break
@@ -89,7 +93,7 @@ def waiter(url: str, subject: str, ready: Any, go: Any, out: Any) -> None:
                 break
             except pymysql.err.IntegrityError:
                 pass
-        if subject in ("kill", "kill-txn"):
+        if subject in ("kill", "kill-txn", "handover"):
             cur.execute("INSERT IGNORE INTO bell VALUES ('probe', %s, 0)", (me,))
             ready.set()
             try:  # a KILL QUERY ends it: MariaDB answers error 1317 (MySQL: SLEEP returns 1)
@@ -112,7 +116,7 @@ def hand_off(url: str, subject: str) -> float:
     cur = holder.cursor()
     if subject == "getlock":
         cur.execute("SELECT GET_LOCK('probe', 30)")
-    elif subject == "kill-txn":  # the row stays; '' is free
+    elif subject in ("kill-txn", "handover"):  # the row stays; '' is free
         cur.execute("INSERT INTO lease VALUES ('probe', 'h') ON DUPLICATE KEY UPDATE owner = 'h'")
     else:
         cur.execute("INSERT INTO lease VALUES ('probe', 'h')")
@@ -131,6 +135,18 @@ def hand_off(url: str, subject: str) -> float:
             " SET @w = (SELECT conn FROM bell WHERE name = 'probe' ORDER BY since LIMIT 1);"
             " DELETE FROM bell WHERE name = 'probe' AND conn = @w;"
             " KILL QUERY @w; COMMIT"
+        )
+        while cur.nextset():
+            pass
+    elif subject == "handover":
+        cur.execute(
+            "START TRANSACTION;"
+            " SELECT owner FROM lease WHERE name = 'probe' AND owner = 'h' FOR UPDATE;"
+            " SET @w = (SELECT conn FROM bell WHERE name = 'probe' ORDER BY since LIMIT 1);"
+            " KILL QUERY @w;"
+            " DELETE FROM lease WHERE name = 'probe';"
+            " INSERT INTO lease VALUES ('probe', 'w');"
+            " DELETE FROM bell WHERE name = 'probe' AND conn = @w; COMMIT"
         )
         while cur.nextset():
             pass
@@ -163,7 +179,7 @@ def main() -> None:
             for sql in SETUP:
                 setup.cursor().execute(sql)
             times: dict[str, list[float]] = {
-                "kill-txn": [], "kill": [], "getlock": [], "poll": []
+                "handover": [], "kill-txn": [], "kill": [], "getlock": [], "poll": []
             }
             for _ in range(args.reps):
                 for subject in times:  # interleaved, so each sees the same load
