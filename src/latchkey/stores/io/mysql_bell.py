@@ -98,6 +98,7 @@ class Bell:
         line = self.lines.join(name)
         try:
             self.start()
+            self.waiting.set()  # it sleeps in the server while the bell goes in line
             self.register(name)
         except StoreUnavailable as exc:
             log.debug("waiting for %r without a bell: %s", name, exc)
@@ -292,6 +293,8 @@ class AsyncBell:
         line = self.lines.join(name)
         try:
             await self.start()
+            assert self.waiting is not None
+            self.waiting.set()  # it sleeps in the server while the bell goes in line
             await self.register(name)
         except StoreUnavailable as exc:
             log.debug("waiting for %r without a bell: %s", name, exc)
