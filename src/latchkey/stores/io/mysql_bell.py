@@ -36,7 +36,7 @@ from typing import Any
 from latchkey._types import Busy, Grant
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter, Waiter
-from latchkey.stores.io import after_fork, drive
+from latchkey.stores.io import Steps, after_fork, drive
 from latchkey.stores.io.aio import adrive
 from latchkey.stores.io.lines import AsyncLines, AsyncLineWaiter, Lines, LineWaiter
 from latchkey.stores.io.mysql_session import INTERRUPTED
@@ -65,6 +65,23 @@ def ring(bell: Bell | AsyncBell, name: str | None, wake: bool = True) -> None:
     if wake:
         for each in list(bell.lines.names) if name is None else [name]:
             bell.lines.ring(each)
+
+
+def leaving(bell: Bell | AsyncBell, line: LineWaiter | AsyncLineWaiter) -> Steps[None] | None:
+    """Under the bell's turn, ``line`` having left its line: the store's steps that take the
+    bell out of the name's line, or None when there is nothing to do — other waiters of the
+    process still wait, or the bell is not in line, or the waiter got the lease after a ring,
+    which took the bell out already (if that ring was for another name, :meth:`Bell.tidy`
+    makes sure at the next one)."""
+    name = line.name
+    if name in bell.lines.names or (went_in := bell.registered.pop(name, None)) is None:
+        return None
+    rung_since = went_in != bell.rings(name)
+    bell.rung.pop(name, None)
+    if line.granted and rung_since:
+        bell.skipped.add(name)
+        return None
+    return bell.store.bell_out(name, bell.id, line.rung and not line.granted)  # type: ignore[no-any-return]
 
 
 class Bell:
@@ -155,23 +172,15 @@ class Bell:
 
     def leave(self, line: LineWaiter) -> None:
         """After ``line`` left: if it was this process's last waiter of its name, the bell
-        leaves the name's line (and, rung in vain, rings the next). One that got the lease
-        after a ring skips the round trip: the ring took the bell out (if the ring was for
-        another name, the bell thread tidies up at its next ring: :meth:`tidy`)."""
-        name = line.name
+        leaves the name's line (and, rung in vain, rings the next): :func:`leaving`."""
         with self.turn:
-            if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
+            steps = leaving(self, line)
+            if steps is None:
                 return
-            if line.granted and went_in != self.rings(name):
-                self.rung.pop(name, None)
-                self.skipped.add(name)
-                return
-            self.rung.pop(name, None)
-            pass_on = line.rung and not line.granted
             try:
-                self.driver.run(self.store.bell_out(name, self.id, pass_on), "wait")
+                self.driver.run(steps, "wait")
             except StoreUnavailable as exc:  # its ring will find nobody waiting: harmless
-                log.debug("bell for %r left behind: %s", name, exc)
+                log.debug("bell for %r left behind: %s", line.name, exc)
 
     def wake(self, name: str | None) -> None:
         """A ring: the first waiter of ``name`` (None: of every name) tries now."""
@@ -350,23 +359,16 @@ class AsyncBell:
         return True
 
     async def leave(self, line: AsyncLineWaiter) -> None:
-        name = line.name
         if self.turn is None:
             return
         async with self.turn:
-            if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
+            steps = leaving(self, line)
+            if steps is None:
                 return
-            if line.granted and went_in != self.rings(name):
-                self.rung.pop(name, None)
-                self.skipped.add(name)
-                return
-            self.rung.pop(name, None)
-            pass_on = line.rung and not line.granted
             try:
-                steps = self.store.bell_out(name, self.id, pass_on)
                 await self.driver.run(steps, "wait")
             except StoreUnavailable as exc:
-                log.debug("bell for %r left behind: %s", name, exc)
+                log.debug("bell for %r left behind: %s", line.name, exc)
 
     def wake(self, name: str | None) -> None:
         ring(self, name)
