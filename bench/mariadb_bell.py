@@ -80,7 +80,9 @@ def waiter(url: str, subject: str, ready: Any, go: Any, out: Any) -> None:
     me = cur.fetchone()[0]
     while True:
         if subject == "handover":  # did the release hand it to us? (waits for its commit)
-            cur.execute("SELECT 1 FROM lease WHERE name = 'probe' AND owner = 'w' LOCK IN SHARE MODE")
+            cur.execute(
+                "SELECT 1 FROM lease WHERE name = 'probe' AND owner = 'w' LOCK IN SHARE MODE"
+            )
             if cur.fetchall():
                 break
         elif subject == "kill-txn":

@@ -55,8 +55,9 @@ class Rows(RowsCore):
         """Tell the takers and lessees waiting for due rows of this table (``wait`` > 0) to
         look now, after the rows were made due (committed). PostgreSQL: a NOTIFY, every
         process (see :attr:`wake_sql` to send it from the application's own transaction or
-        a trigger); SQLite: every process on this machine; MySQL/MariaDB: this process only
-        (the others find the rows by their polls).
+        a trigger); SQLite: every process on this machine; MariaDB: every process (a
+        ``KILL QUERY`` of each waiting process's bell); MySQL: this process only (the others
+        find the rows by their polls).
 
         .. versionadded:: 0.2
         """

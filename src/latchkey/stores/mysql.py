@@ -369,9 +369,10 @@ class MySQLBackend(StoreBackend):
     store_class = MySQL
 
     def wait_in_line(self, name: str, owner: str, owner_info: str, ttl: float, limit: int) -> Any:
-        """MariaDB: a lease's waiter has the process's bell rung (``mysql_bells``)."""
+        """MariaDB: a waiter (a lease's, or a row take's: ``subscribe``) has the process's
+        bell rung (``mysql_bells``)."""
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
-        if bell is None or not owner:
+        if bell is None:
             return super().wait_in_line(name, owner, owner_info, ttl, limit)
         return bell.join(name)
 
@@ -381,7 +382,7 @@ class AsyncMySQLBackend(AsyncStoreBackend):
 
     async def wait_in_line(self, name: str, owner: str, info: str, ttl: float, limit: int) -> Any:
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
-        if bell is None or not owner:
+        if bell is None:
             return await super().wait_in_line(name, owner, info, ttl, limit)
         return await bell.join(name)
 

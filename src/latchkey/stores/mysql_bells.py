@@ -208,17 +208,27 @@ class Bells:
     def released(self, names: tuple[str, ...], everyone: bool = False) -> Steps[None]:
         """After a force-release: every bell of those names is rung (they keep their place:
         their waiters try, and sleep again)."""
-        if not (everyone and self.prepared):
-            return
-        for name in names:
-            rows, _ = yield Query(self.BELLS_OF, (name.encode(),))
-            for (conn,) in rows:
-                bell = self.bell
-                if bell is not None and bell.id == int(conn):
-                    bell.wake(name)
-                    continue
-                with contextlib.suppress(ThreadGone, NotPermitted):
-                    yield Query(KILL, (int(conn),))
+        if everyone and self.prepared:
+            for name in names:
+                yield from self.ring_all(name)
+
+    def rows_notify(self, spec: Any, wake: str) -> Steps[None]:
+        """``rows.notify()`` on MariaDB: every process whose takes or leases wait for due rows
+        of the table (their bells are in the line of ``wake``) is rung; the backend wakes
+        this process's own. (MySQL: nothing here; the other processes poll.)"""
+        if self.prepared:
+            yield from self.ring_all(wake)
+
+    def ring_all(self, name: str) -> Steps[None]:
+        """Ring every bell in ``name``'s line (each keeps its place)."""
+        rows, _ = yield Query(self.BELLS_OF, (name.encode(),))
+        for (conn,) in rows:
+            bell = self.bell
+            if bell is not None and bell.id == int(conn):
+                bell.wake(name)
+                continue
+            with contextlib.suppress(ThreadGone, NotPermitted):
+                yield Query(KILL, (int(conn),))
 
 
 def ours_marked(lease: Sequence[str]) -> bool:

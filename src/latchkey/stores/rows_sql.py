@@ -399,8 +399,9 @@ class RowClaims:
 
     def rows_notify(self, spec: RowSpec, wake: str) -> Steps[None]:
         """Wake the waiters of ``wake``: PostgreSQL, a NOTIFY (every process); SQLite, the
-        doorbells of the waiters on this machine; MySQL/MariaDB have no push (the backend
-        wakes the waiters of this process; the others find the rows by polling)."""
+        doorbells of the waiters on this machine; MySQL has no push (the backend wakes the
+        waiters of this process; the others find the rows by polling); MariaDB rings its
+        bells (``mysql_bells.Bells.rows_notify``, which stands in front of this one)."""
         if self.rows_wake_sql(wake) is not None:  # the same NOTIFY, its values as parameters
             yield Query("SELECT pg_notify($1, $2)", (self.channel, wake.encode().hex()))  # type: ignore[attr-defined]
         elif self.ROWS is SQLITE:
