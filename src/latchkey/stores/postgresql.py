@@ -147,7 +147,7 @@ LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON
     WHERE name = $1 AND owner = $2 FOR UPDATE
 ), heir AS (
     SELECT w.owner, w.owner_info, w.ttl, w.ticket FROM {s}"{t}_waiters" AS w JOIN gone USING (name)
-    WHERE gone.slot = 0 AND w.owner <> $2 AND w.expires_at > now()
+    WHERE w.name = $1 AND gone.slot = 0 AND w.owner <> $2 AND w.expires_at > now()
       AND NOT pg_try_advisory_xact_lock(w.listener_key)
     ORDER BY w.queued_at, w.ticket LIMIT 1 FOR UPDATE OF w SKIP LOCKED
 ), dequeued AS (

@@ -61,6 +61,7 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {{s}}"{{t}}_waiters" (name bytea NOT NULL, o
     owner_info text NOT NULL, ttl float8 NOT NULL, ticket bigint NOT NULL,
     listener_key bigint NOT NULL, queued_at timestamptz NOT NULL,
     expires_at timestamptz NOT NULL, PRIMARY KEY (name, owner));
+CREATE INDEX IF NOT EXISTS "{{t}}_waiters_line" ON {{s}}"{{t}}_waiters" (name, queued_at, ticket);
 INSERT INTO {{s}}"{{t}}_meta" VALUES ('schema_version', '{SCHEMA_VERSION}')
 ON CONFLICT DO NOTHING"""
     # The schema version the tables were made with (newer than ours: we must not use them).
