@@ -54,53 +54,91 @@ def interrupted(exc: BaseException) -> bool:
     return bool(getattr(exc, "args", None)) and exc.args[0] == INTERRUPTED
 
 
-def ring(bell: Bell | AsyncBell, name: str | None, wake: bool = True) -> None:
-    """A ring of ``bell``: the bell goes back in the lines it may have been taken out of
-    before a waiter sleeps again, and (``wake``) the first waiter of ``name`` (None: of
-    every name) tries now."""
-    if name is None:
-        bell.epoch += 1
-    else:
-        bell.rung[name] = bell.rung.get(name, 0) + 1
-    if wake:
-        for each in list(bell.lines.names) if name is None else [name]:
-            bell.lines.ring(each)
+class BellState:
+    """What the sync and the asyncio bell share: which lines the bell is in, which rings may
+    have taken it out of them, and the decisions on them (no I/O; the store's steps are run
+    by the subclass, under its turn)."""
 
-
-def leaving(bell: Bell | AsyncBell, line: LineWaiter | AsyncLineWaiter) -> Steps[None] | None:
-    """Under the bell's turn, ``line`` having left its line: the store's steps that take the
-    bell out of the name's line, or None when there is nothing to do — other waiters of the
-    process still wait, or the bell is not in line, or the waiter got the lease after a ring,
-    which took the bell out already (if that ring was for another name, :meth:`Bell.tidy`
-    makes sure at the next one)."""
-    name = line.name
-    if name in bell.lines.names or (went_in := bell.registered.pop(name, None)) is None:
-        return None
-    rung_since = went_in != bell.rings(name)
-    bell.rung.pop(name, None)
-    if line.granted and rung_since:
-        bell.skipped.add(name)
-        return None
-    return bell.store.bell_out(name, bell.id, line.rung and not line.granted)  # type: ignore[no-any-return]
-
-
-class Bell:
-    """One sync backend's bell (see the module docstring). ``driver`` runs the store's steps
-    (``run``); ``opener`` opens a connection as the pool's (``drain``, ``deadline``, ``timeout``,
-    ``close``)."""
+    lines: Any  # the backend's Lines or AsyncLines
 
     def __init__(self, driver: Any, opener: Callable[[], Any]) -> None:
         self.driver = driver
         self.store = driver.store
-        self.opener = opener
-        self.lock = threading.Lock()  # starting and stopping
-        self.turn = threading.Lock()  # one name's bell in or out of its line at a time
+        self.opener = opener  # opens a connection as the pool's
         self.pooled: Any = None
         self.id = 0  # the bell's connection id (the store rings its own without a KILL)
         self.epoch = 0  # rings of unknown name (KILLs) so far
         self.rung: dict[str, int] = {}  # rings of a known name (this process's own releases)
         self.registered: dict[str, tuple[int, int]] = {}  # name -> rings when its bell went in
-        self.skipped: set[str] = set()  # names left without a round trip (see leave)
+        self.skipped: set[str] = set()  # names left without a round trip (see leaving)
+
+    def rings(self, name: str) -> tuple[int, int]:
+        """The rings so far that may have taken the bell out of ``name``'s line."""
+        return self.epoch, self.rung.get(name, 0)
+
+    def wake(self, name: str | None) -> None:
+        """A ring: the first waiter of ``name`` (None: of every name) tries now."""
+        self.ring(name)
+
+    def taken(self, name: str) -> None:
+        """This process's release took the bell out of ``name``'s line (and rings the line)."""
+        self.ring(name, wake=False)
+
+    def ring(self, name: str | None, wake: bool = True) -> None:
+        """The bell goes back in the lines it may have been taken out of before a waiter
+        sleeps again, and (``wake``) the first waiter of ``name`` (None: of every name) tries
+        now."""
+        if name is None:
+            self.epoch += 1
+        else:
+            self.rung[name] = self.rung.get(name, 0) + 1
+        if wake:
+            for each in list(self.lines.names) if name is None else [name]:
+                self.lines.ring(each)
+
+    def registering(self, name: str) -> Steps[None]:
+        """Under the turn: the bell in ``name``'s line (it keeps its place if there; not sent
+        if a waiter of ours put it in since the last ring), the live lease marked; remembered
+        only if no ring came meanwhile."""
+        rings = self.rings(name)
+        yield from self.store.bell_in(name, self.id, self.registered.get(name) != rings)
+        self.skipped.discard(name)
+        if self.rings(name) == rings:
+            self.registered[name] = rings
+
+    def leaving(self, line: LineWaiter | AsyncLineWaiter) -> Steps[None] | None:
+        """Under the turn, ``line`` having left its line: the store's steps that take the
+        bell out of the name's line, or None when there is nothing to do — other waiters of
+        the process still wait, or the bell is not in line, or the waiter got the lease after
+        a ring, which took the bell out already (if that ring was for another name, the bell
+        tidies up at its next ring: ``tidy``)."""
+        name = line.name
+        if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
+            return None
+        rung_since = went_in != self.rings(name)
+        self.rung.pop(name, None)
+        if line.granted and rung_since:
+            self.skipped.add(name)
+            return None
+        return self.store.bell_out(name, self.id, line.rung and not line.granted)  # type: ignore[no-any-return]
+
+    def stale(self) -> list[str]:
+        """Under the turn, after a ring: the names left without a round trip that nobody
+        here waits for any more (``tidy`` takes the bell out of their lines for sure)."""
+        names = [name for name in self.skipped if name not in self.lines.names]
+        self.skipped.clear()
+        return names
+
+
+class Bell(BellState):
+    """One sync backend's bell (see the module docstring). ``driver`` runs the store's steps
+    (``run``); ``opener`` opens a connection as the pool's (``drain``, ``deadline``, ``timeout``,
+    ``close``)."""
+
+    def __init__(self, driver: Any, opener: Callable[[], Any]) -> None:
+        super().__init__(driver, opener)
+        self.lock = threading.Lock()  # starting and stopping
+        self.turn = threading.Lock()  # one name's bell in or out of its line at a time
         self.waiting = threading.Event()  # a waiter came: the thread sleeps in the server
         after_fork(self)
 
@@ -147,17 +185,8 @@ class Bell:
         """Put the bell in ``name``'s line (it keeps its place if there) and mark the live
         lease; remembered only if no ring came meanwhile."""
         with self.turn:
-            rings = self.rings(name)
-            needed = self.registered.get(name) != rings  # (not if a waiter of ours put it in)
-            self.driver.run(self.store.bell_in(name, self.id, needed), "wait")
-            self.skipped.discard(name)
-            if self.rings(name) == rings:
-                self.registered[name] = rings
+            self.driver.run(self.registering(name), "wait")
             self.waiting.set()
-
-    def rings(self, name: str) -> tuple[int, int]:
-        """The rings so far that may have taken the bell out of ``name``'s line."""
-        return self.epoch, self.rung.get(name, 0)
 
     def rejoin(self, name: str) -> bool:
         """Before a woken waiter sleeps again: True if the bell had to go back in line (the
@@ -174,7 +203,7 @@ class Bell:
         """After ``line`` left: if it was this process's last waiter of its name, the bell
         leaves the name's line (and, rung in vain, rings the next): :func:`leaving`."""
         with self.turn:
-            steps = leaving(self, line)
+            steps = self.leaving(line)
             if steps is None:
                 return
             try:
@@ -182,13 +211,6 @@ class Bell:
             except StoreUnavailable as exc:  # its ring will find nobody waiting: harmless
                 log.debug("bell for %r left behind: %s", line.name, exc)
 
-    def wake(self, name: str | None) -> None:
-        """A ring: the first waiter of ``name`` (None: of every name) tries now."""
-        ring(self, name)
-
-    def taken(self, name: str) -> None:
-        """This process's release took the bell out of ``name``'s line (and rings the line)."""
-        ring(self, name, wake=False)
 
     def _run(self, pooled: Any) -> None:
         pid = os.getpid()
@@ -220,8 +242,7 @@ class Bell:
         nobody here waits for any more leave their lines for sure, and if one of them was
         just rung (for nobody), the next is rung in its place."""
         with self.turn:
-            names = [name for name in self.skipped if name not in self.lines.names]
-            self.skipped.clear()
+            names = self.stale()
         for name in names:
             pooled.deadline = time.monotonic() + pooled.timeout
             drive(self.store.bell_out(name, self.id, True), pooled.answer)
@@ -277,20 +298,12 @@ class BellWaiter(Waiter):
         self.bell.leave(self.line)
 
 
-class AsyncBell:
+class AsyncBell(BellState):
     """The asyncio twin of :class:`Bell`: a task of the loop the backend is used in."""
 
     def __init__(self, driver: Any, opener: Callable[[], Awaitable[Any]]) -> None:
-        self.driver = driver
-        self.store = driver.store
-        self.opener = opener
-        self.pooled: Any = None
+        super().__init__(driver, opener)
         self.task: asyncio.Task[None] | None = None
-        self.id = 0
-        self.epoch = 0
-        self.rung: dict[str, int] = {}
-        self.registered: dict[str, tuple[int, int]] = {}
-        self.skipped: set[str] = set()
         self.turn: asyncio.Lock | None = None
         self.waiting: asyncio.Event | None = None
 
@@ -338,16 +351,8 @@ class AsyncBell:
     async def register(self, name: str) -> None:
         assert self.turn is not None and self.waiting is not None
         async with self.turn:
-            rings = self.rings(name)
-            needed = self.registered.get(name) != rings
-            await self.driver.run(self.store.bell_in(name, self.id, needed), "wait")
-            self.skipped.discard(name)
-            if self.rings(name) == rings:
-                self.registered[name] = rings
+            await self.driver.run(self.registering(name), "wait")
             self.waiting.set()
-
-    def rings(self, name: str) -> tuple[int, int]:
-        return self.epoch, self.rung.get(name, 0)
 
     async def rejoin(self, name: str) -> bool:
         if self.registered.get(name) == self.rings(name) or self.pooled is None:
@@ -362,7 +367,7 @@ class AsyncBell:
         if self.turn is None:
             return
         async with self.turn:
-            steps = leaving(self, line)
+            steps = self.leaving(line)
             if steps is None:
                 return
             try:
@@ -370,11 +375,6 @@ class AsyncBell:
             except StoreUnavailable as exc:
                 log.debug("bell for %r left behind: %s", line.name, exc)
 
-    def wake(self, name: str | None) -> None:
-        ring(self, name)
-
-    def taken(self, name: str) -> None:
-        ring(self, name, wake=False)
 
     async def _run(self, pooled: Any) -> None:
         from latchkey.stores.io.asyncmy import drain
@@ -410,8 +410,7 @@ class AsyncBell:
     async def tidy(self, pooled: Any) -> None:
         assert self.turn is not None
         async with self.turn:
-            names = [name for name in self.skipped if name not in self.lines.names]
-            self.skipped.clear()
+            names = self.stale()
         timeout = self.driver.backend.timeout
         for name in names:
             steps = self.store.bell_out(name, self.id, True)
