@@ -201,7 +201,7 @@ class Bell(BellState):
 
     def leave(self, line: LineWaiter) -> None:
         """After ``line`` left: if it was this process's last waiter of its name, the bell
-        leaves the name's line (and, rung in vain, rings the next): :func:`leaving`."""
+        leaves the name's line (and, rung in vain, rings the next): :meth:`BellState.leaving`."""
         with self.turn:
             steps = self.leaving(line)
             if steps is None:
@@ -210,7 +210,6 @@ class Bell(BellState):
                 self.driver.run(steps, "wait")
             except StoreUnavailable as exc:  # its ring will find nobody waiting: harmless
                 log.debug("bell for %r left behind: %s", line.name, exc)
-
 
     def _run(self, pooled: Any) -> None:
         pid = os.getpid()
