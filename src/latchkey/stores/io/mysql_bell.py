@@ -106,18 +106,22 @@ class BellState:
         if self.rings(name) == rings:
             self.registered[name] = rings
 
-    def leaving(self, line: LineWaiter | AsyncLineWaiter) -> Steps[None] | None:
+    def leaving(
+        self, line: LineWaiter | AsyncLineWaiter, finished: bool = True
+    ) -> Steps[None] | None:
         """Under the turn, ``line`` having left its line: the store's steps that take the
         bell out of the name's line, or None when there is nothing to do — other waiters of
         the process still wait, or the bell is not in line, or the waiter got the lease after
         a ring, which took the bell out already (if that ring was for another name, the bell
-        tidies up at its next ring: ``tidy``)."""
+        tidies up at its next ring: ``tidy``). A wait that ended by an error (not
+        ``finished``: the store failing, a cancel) adds no round trip to it either: the bell
+        is left to ``tidy`` too, so the error reaches the caller within its timeout."""
         name = line.name
         if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
             return None
         rung_since = went_in != self.rings(name)
         self.rung.pop(name, None)
-        if line.granted and rung_since:
+        if not finished or (line.granted and rung_since):
             self.skipped.add(name)
             return None
         return self.store.bell_out(name, self.id, line.rung and not line.granted)  # type: ignore[no-any-return]
@@ -199,11 +203,11 @@ class Bell(BellState):
             return False  # the next attempt finds out; meanwhile it polls
         return True
 
-    def leave(self, line: LineWaiter) -> None:
+    def leave(self, line: LineWaiter, finished: bool = True) -> None:
         """After ``line`` left: if it was this process's last waiter of its name, the bell
         leaves the name's line (and, rung in vain, rings the next): :meth:`BellState.leaving`."""
         with self.turn:
-            steps = self.leaving(line)
+            steps = self.leaving(line, finished)
             if steps is None:
                 return
             try:
@@ -278,6 +282,7 @@ class BellWaiter(Waiter):
 
     def __init__(self, bell: Bell, line: LineWaiter) -> None:
         self.bell, self.line = bell, line
+        self.finished = False  # told the wait's outcome (not ended by an error)
 
     def wait(self, timeout: float) -> bool:
         if self.bell.rejoin(self.line.name):
@@ -290,11 +295,12 @@ class BellWaiter(Waiter):
         return self.line.ahead
 
     def finish(self, result: Grant | Busy) -> None:
+        self.finished = True
         self.line.finish(result)
 
     def close(self) -> None:
         self.line.close()
-        self.bell.leave(self.line)
+        self.bell.leave(self.line, self.finished)
 
 
 class AsyncBell(BellState):
@@ -362,11 +368,11 @@ class AsyncBell(BellState):
             return False
         return True
 
-    async def leave(self, line: AsyncLineWaiter) -> None:
+    async def leave(self, line: AsyncLineWaiter, finished: bool = True) -> None:
         if self.turn is None:
             return
         async with self.turn:
-            steps = self.leaving(line)
+            steps = self.leaving(line, finished)
             if steps is None:
                 return
             try:
@@ -429,6 +435,7 @@ class AsyncBellWaiter(AsyncWaiter):
 
     def __init__(self, bell: AsyncBell, line: AsyncLineWaiter) -> None:
         self.bell, self.line = bell, line
+        self.finished = False
 
     async def wait(self, timeout: float) -> bool:
         if await self.bell.rejoin(self.line.name):
@@ -441,8 +448,9 @@ class AsyncBellWaiter(AsyncWaiter):
         return self.line.ahead
 
     async def finish(self, result: Grant | Busy) -> None:
+        self.finished = True
         await self.line.finish(result)
 
     async def close(self) -> None:
         await self.line.close()
-        await self.bell.leave(self.line)
+        await self.bell.leave(self.line, self.finished)
