@@ -695,18 +695,7 @@ def test_a_cas_remembered_before_a_restart_is_never_used_after_it(
 
 def _connections(port: int) -> int:
     """The server's open client connections, as its ``stats`` counts them (this one too)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(b"stats\r\n")
-        reply = b""
-        while not reply.endswith(b"END\r\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    for line in reply.decode().splitlines():
-        if line.startswith("STAT curr_connections "):
-            return int(line.split()[2])
-    raise AssertionError(f"no curr_connections in the server's stats: {reply!r}")
+    return int(raw_stats(port)[b"curr_connections"])
 
 
 def _all_threads_stopped(pid: int) -> bool:
