@@ -250,6 +250,23 @@ def test_concurrent_first_use_creates_the_tables_once(pg_base: str, table: str) 
     assert all(isinstance(r, Grant) for r in results), results
 
 
+def test_making_tables_that_exist_waits_for_no_release_in_progress(
+    backend: PostgreSQLBackend, pg_base: str, table: str
+) -> None:
+    # A process that found the tables missing makes them after another process has made them
+    # and started releasing: its CREATE script must take no lock on them (CREATE INDEX IF NOT
+    # EXISTS does, and deadlocked with a release holding the waiters' table: CI, stop 28).
+    backend.init()
+    with psycopg.connect(pg_base) as busy:  # a transaction holding the tables as a release does
+        busy.execute(f'LOCK TABLE "{table}", "{table}_waiters" IN ROW EXCLUSIVE MODE')
+        late = open_backend(f"{pg_base}?table={table}&timeout=2")
+        try:
+            late.init()  # StoreUnavailable after 2 s if it waits for the transaction
+        finally:
+            late.close()
+            busy.rollback()
+
+
 def test_hostile_names_round_trip_as_utf8_bytes(
     backend: PostgreSQLBackend, table: str, sql: psycopg.Connection[tuple[object, ...]]
 ) -> None:

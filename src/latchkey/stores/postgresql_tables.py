@@ -46,13 +46,16 @@ class Tables:
     table: str
     schema: str | None
 
-    # Creates the tables, index and sequence if absent and records our schema version: one
+    # Creates the tables, indexes and sequence if absent and records our schema version: one
     # simple query, so one transaction, that takes DDL_LOCK_KEY first (processes take turns).
+    # An index is made only if it is missing, never by CREATE INDEX IF NOT EXISTS: that takes
+    # a SHARE lock on its table before it finds the index there, and two such locks taken
+    # while another process's release holds the tables deadlock with it (a process that found
+    # the tables missing runs this after another has made them and started using them).
     CREATE = f"""SELECT pg_advisory_xact_lock({DDL_LOCK_KEY});
 CREATE TABLE IF NOT EXISTS {{s}}"{{t}}" (name bytea NOT NULL, slot integer NOT NULL,
     owner text NOT NULL, owner_info text NOT NULL, token bigint NOT NULL,
     acquired_at timestamptz NOT NULL, expires_at timestamptz NOT NULL, PRIMARY KEY (name, slot));
-CREATE INDEX IF NOT EXISTS "{{t}}_expires" ON {{s}}"{{t}}" (expires_at);
 CREATE SEQUENCE IF NOT EXISTS {{s}}"{{t}}_fence" AS bigint;
 CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_records" (name bytea PRIMARY KEY, value text NOT NULL,
     version bigint NOT NULL);
@@ -61,7 +64,12 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {{s}}"{{t}}_waiters" (name bytea NOT NULL, o
     owner_info text NOT NULL, ttl float8 NOT NULL, ticket bigint NOT NULL,
     listener_key bigint NOT NULL, queued_at timestamptz NOT NULL,
     expires_at timestamptz NOT NULL, PRIMARY KEY (name, owner));
-CREATE INDEX IF NOT EXISTS "{{t}}_waiters_line" ON {{s}}"{{t}}_waiters" (name, queued_at, ticket);
+DO $$ BEGIN
+IF to_regclass('{{s}}"{{t}}_expires"') IS NULL THEN
+    CREATE INDEX "{{t}}_expires" ON {{s}}"{{t}}" (expires_at); END IF;
+IF to_regclass('{{s}}"{{t}}_waiters_line"') IS NULL THEN
+    CREATE INDEX "{{t}}_waiters_line" ON {{s}}"{{t}}_waiters" (name, queued_at, ticket); END IF;
+END $$;
 INSERT INTO {{s}}"{{t}}_meta" VALUES ('schema_version', '{SCHEMA_VERSION}')
 ON CONFLICT DO NOTHING"""
     # The schema version the tables were made with (newer than ours: we must not use them).
