@@ -209,7 +209,7 @@ class RowClaims:
         the transaction stays open: :meth:`rows_end` ends it)."""
         yield from self.check_skip_locked()
         try:
-            yield Query(self.ROWS.BEGIN)
+            yield self.rows_begin()
         except Exception as exc:
             if not self.write_lock_busy(exc):
                 raise
@@ -221,6 +221,10 @@ class RowClaims:
         select = self.rows_select(spec, limit, self.ROWS.LOCKING, None)
         columns, rows = yield Statement(select)
         return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    def rows_begin(self) -> Any:
+        """The request that begins a take's or a complete's transaction."""
+        return Query(self.ROWS.BEGIN)
 
     def write_lock_busy(self, exc: BaseException) -> bool:
         """Whether ``exc``, from a take's BEGIN, says another writer holds the database
@@ -359,7 +363,7 @@ class RowClaims:
 
     def rows_complete_begin(self) -> Steps[None]:
         """Open the transaction of a ``complete`` (on a pinned connection)."""
-        yield Query(self.ROWS.BEGIN)
+        yield self.rows_begin()
 
     def rows_complete_end(
         self, commit: bool, names: Sequence[str], owner: str, tokens: Sequence[int]

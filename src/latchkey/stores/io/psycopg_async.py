@@ -59,6 +59,7 @@ from latchkey.stores.io.psycopg import (
     input_waiting,
     queue_order,
     queued_ahead,
+    result_columns,
     result_error,
     user_error,
 )
@@ -471,6 +472,16 @@ class AsyncLink(AsyncSession):
     def __init__(self, driver: AsyncPsycopgDriver) -> None:
         super().__init__(driver.params, driver.timeout)
         self.driver = driver
+        self._statements: tuple[Any, psycopg.AsyncCursor[Any], str] | None = None
+
+    def statements(self) -> tuple[psycopg.AsyncCursor[Any], str]:
+        """As :meth:`latchkey.stores.io.psycopg.Link.statements`."""
+        conn = self.conn
+        assert conn is not None
+        kept = self._statements
+        if kept is None or kept[0] is not conn:
+            kept = self._statements = (conn, conn.cursor(), conn.info.encoding)
+        return kept[1], kept[2]
 
     async def answer(self, request: Any) -> Any:
         """One request; creates the tables if they are missing."""
@@ -650,10 +661,9 @@ async def astatement(link: AsyncLink, request: Statement) -> tuple[list[str] | N
     assert conn is not None
 
     async def run() -> tuple[list[str] | None, list[Any]]:
-        cur = conn.cursor()
+        cur, encoding = link.statements()
         await link.run_statement(cur, request.sql, request.params)  # params None: sent as is
-        if cur.description is None:
-            return None, []
-        return [column.name for column in cur.description], await cur.fetchall()
+        columns = result_columns(cur, encoding)
+        return (None, []) if columns is None else (columns, await cur.fetchall())
 
     return await cut_after(run(), link.statement_guard, conn.pgconn.socket)
