@@ -2,7 +2,7 @@
 """Seed 002: many daemon processes draining one events table (issue 13).
 
     bench/.venv/bin/python bench/eventqueue.py [--stores postgresql,mysql,sqlite]
-        [--subjects naive,for-update,take1,take10,lease10,lease10c,lease10cb,own1,own10]
+        [--subjects naive,for-update,skip1,take1,take10,lease10,lease10c,lease10cb,own1,own10]
         [--daemons 100]
         [--sqlite-daemons 8]
         [--rows 3000] [--kill-fraction 0.1] [--rounds normal,kill] [--out results.json]
@@ -28,6 +28,9 @@ Subjects (the raw ones use psycopg 3 and PyMySQL, the drivers latchkey uses; sql
   ``UPDATE … SET processed_at``, then the record; no lock (the seed's first daemon).
 - ``for-update``: the seed's fix, ``BEGIN; SELECT … LIMIT 1 FOR UPDATE; UPDATE; record;
   COMMIT``. On SQLite (no FOR UPDATE) the same transaction opened with ``BEGIN IMMEDIATE``.
+- ``skip1``: the statements ``take1`` sends, by hand: ``BEGIN; SELECT … LIMIT 1 FOR UPDATE
+  SKIP LOCKED; UPDATE; record; COMMIT`` (an empty read while rows are due waits as take's
+  daemons do): the floor of a one-row take on this machine, what take1 costs without latchkey.
 - ``take1``, ``take10``: ``store.rows(...).take(limit=1|10)``; the UPDATE and the record go
   through ``batch.execute``, in the batch's transaction.
 - ``lease10``: ``store.rows(...).lease(limit=10, ttl=…)``; per row, one transaction of the
@@ -51,6 +54,10 @@ work's own cost at a given commit rate:
 The ``kill`` round (take and lease subjects) SIGKILLs about --kill-fraction of the daemons in the
 middle of a batch: a doomed daemon kills itself while handling its r-th row (r random in 1..15),
 after that row's UPDATE and record were sent and before they were committed.
+
+Each cell also gives the CPU spent per row: the daemons' own (their process time after the
+start) and the whole machine's (``/proc/stat``, every core, the server included) — on two
+cores a hundred daemons are CPU-bound, so these say where the time goes.
 """
 
 from __future__ import annotations
@@ -82,7 +89,8 @@ import servers  # noqa: E402
 DASH = "\u2013"
 #: The floors (above) and their rows per transaction.
 FLOORS = {"own1": 1, "own10": 10}
-SUBJECTS = ["naive", "for-update", "take1", "take10", "lease10", "lease10c", "lease10cb", *FLOORS]
+SUBJECTS = ["naive", "for-update", "skip1", "take1", "take10", "lease10", "lease10c", "lease10cb",
+            *FLOORS]
 LATCHKEY_SUBJECTS = {"take1", "take10", "lease10", "lease10c", "lease10cb"}
 LEASE_SUBJECTS = {"lease10", "lease10c", "lease10cb"}
 STORES = ["postgresql", "mysql", "sqlite"]
@@ -254,6 +262,7 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
             queue = store_obj.rows(ev, key="id", where="processed_at IS NULL", order_by="id")
         barrier.wait(BARRIER_SECONDS)
         out["start"] = time.monotonic()  # the clock starts at the first daemon's release
+        cpu_start = time.process_time()
     except BaseException as exc:
         with contextlib.suppress(Exception):
             barrier.abort()
@@ -303,10 +312,11 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                 out["rows"] += len(mine)
                 out["batches"] += 1
                 continue
-            if subject == "for-update":
+            if subject in ("for-update", "skip1"):
+                lock = " FOR UPDATE" if subject == "for-update" else " FOR UPDATE SKIP LOCKED"
                 try:
                     raw.begin(immediate=True)
-                    found, _ = raw.run(due if store == "sqlite" else due + " FOR UPDATE")
+                    found, _ = raw.run(due if store == "sqlite" else due + lock)
                     if found:
                         raw.run(update, (found[0][0],))
                         raw.run(record, (found[0][0], pid, None))
@@ -314,6 +324,10 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                 except Exception as exc:
                     raw.rollback()
                     note_error(exc)
+                    continue
+                if not found and subject == "skip1" and raw.run(due)[0]:
+                    out["empty"] += 1  # due rows remain, locked by others
+                    time.sleep(IDLE_SLEEP)
                     continue
                 if not found:
                     out["status"] = "done"
@@ -388,6 +402,7 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
         out["status"] = "failed"
         out["first_error"] = out["first_error"] or f"{type(exc).__name__}: {exc}"[:300]
     out["end"] = time.monotonic()
+    out["cpu"] = time.process_time() - cpu_start
     with contextlib.suppress(Exception):
         if store_obj is not None:
             store_obj.close()
@@ -452,6 +467,7 @@ def run_subject(
         barrier.wait(BARRIER_SECONDS)
     except Exception as exc:  # a daemon could not start
         cell["failed"] = f"start: {type(exc).__name__}"
+    machine = machine_cpu()  # from the start (the daemons' imports and connects are before)
     started = time.monotonic()
     deadline = started + SUBJECT_SECONDS
     for p in procs:
@@ -463,6 +479,7 @@ def run_subject(
         p.join(5)
     if stragglers:
         cell["failed"] = f"{len(stragglers)} daemons still running after {SUBJECT_SECONDS:.0f}s"
+    machine = machine_cpu() - machine
     reports = []
     for i in range(daemons):
         f = results_dir / f"{i}.json"
@@ -499,7 +516,22 @@ def run_subject(
         check.close()
     if cell["wall_s"]:
         cell["rows_per_s"] = round(cell["distinct"] / cell["wall_s"], 1)
+    if cell.get("distinct"):  # CPU per row: the daemons' own, and the whole machine's
+        daemons_cpu = sum(r.get("cpu", 0.0) for r in reports)
+        cell["daemon_cpu_us_per_row"] = round(1e6 * daemons_cpu / cell["distinct"])
+        cell["machine_cpu_us_per_row"] = round(1e6 * machine / cell["distinct"])
     return cell
+
+
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy (every core; /proc/stat: user, nice,
+    system, irq, softirq), or 0 where there is no /proc."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def pg_statements(env: dict[str, str]) -> list[str]:
@@ -543,6 +575,9 @@ def table(results: dict[str, Any]) -> str:
         if cell.get("per_daemon"):
             low, high = cell["per_daemon"]
             notes.append(f"rows per daemon {low}{DASH}{high}")
+        if cell.get("machine_cpu_us_per_row"):
+            notes.append(f"CPU per row: daemons {cell['daemon_cpu_us_per_row']} µs, machine "
+                         f"{cell['machine_cpu_us_per_row']} µs")  # fmt: skip
         rate = f"{cell['rows_per_s']:,.0f}" if cell.get("rows_per_s") else DASH
         wall = f"{cell['wall_s']:.1f} s" if cell.get("wall_s") else DASH
         lines.append(
