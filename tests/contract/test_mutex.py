@@ -69,6 +69,40 @@ def test_two_store_objects_exclude_each_other(
         b.close()
 
 
+def test_a_name_found_busy_is_waited_for_in_the_server_without_a_new_attempt(
+    store_url: str, name: str, connect: Callable[[str], latchkey.Store]
+) -> None:
+    # Stores that wait in the server (capabilities.blocking: the session locks): an attempt
+    # that found the name busy a moment ago sends the next waiting acquire of it straight to
+    # its wait, one round trip where the attempt, the holder's look-up and the wait were
+    # three. Seen in the round trips each primitive made (the metrics).
+    from prometheus_client import CollectorRegistry
+
+    a, b = connect(store_url), connect(store_url)
+    if not a.capabilities.blocking:
+        pytest.skip(f"{a.scheme}: waits by polling or push, not in the server (blocking)")
+    registry = CollectorRegistry()
+    latchkey.enable_metrics(registry)
+    try:
+
+        def trips(operation: str) -> float:
+            labels = {"store": a.scheme, "operation": operation}
+            return registry.get_sample_value("latchkey_store_round_trip_seconds_count",
+                                             labels) or 0.0  # fmt: skip
+
+        with a.lock(name, ttl="30s"):
+            assert b.lock(name, ttl="30s", wait=0).acquire() is False  # an attempt: busy
+        attempts, waits = trips("acquire"), trips("acquire_blocking")
+        with b.lock(name, ttl="30s", wait="10s") as lock:
+            assert lock.held
+        assert (trips("acquire"), trips("acquire_blocking")) == (attempts, waits + 1)
+        with a.lock(name, ttl="30s", wait=0):  # the other backend never found it busy
+            pass
+        assert trips("acquire_blocking") == waits + 1
+    finally:
+        latchkey.disable_metrics()
+
+
 def test_context_manager_releases_on_exception(store: latchkey.Store, name: str) -> None:
     with pytest.raises(RuntimeError), store.lock(name, ttl="30s"):
         assert not store.is_free(name)

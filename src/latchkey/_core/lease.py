@@ -50,6 +50,10 @@ def describe_holder(holder: Holder | None) -> str:
     return ", ".join(parts)
 
 
+#: The first answer of a waiting acquire that skipped its attempt: the name was contended a
+#: moment ago (``Backend.contended``), so it waits in a blocking store at once.
+CONTENDED = Busy(holders=1)
+
 class LeaseCore:
     """One lease's parameters and state, and its rules as generators. Not public: see
     :class:`latchkey.Lock` and :class:`latchkey.AsyncLock`."""
@@ -155,9 +159,15 @@ class LeaseCore:
         args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
         sent = time.monotonic()
         holds = self._holds
+        result: Any
         try:
             if holds is None:
-                result = yield (CALL, None, "acquire", args)
+                if wait_s != 0 and self._caps.blocking and self.limit == 1 and (
+                    self._backend.contended(self.name)
+                ):
+                    result = CONTENDED  # busy a moment ago: wait in the store at once
+                else:
+                    result = yield (CALL, None, "acquire", args)
             else:
                 # This process's own record may answer without the store (_core/holds.py):
                 # busy while another lease of it through this store object is live by its

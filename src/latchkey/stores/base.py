@@ -158,6 +158,14 @@ class BackendBase:
         has none (no I/O; ``Rows.wake_sql``)."""
         return None
 
+    def contended(self, name: str) -> bool:
+        """Whether an attempt at ``name`` through this backend found it busy a moment ago
+        (no I/O; a hint, never a rule). A store with ``capabilities.blocking`` answers it: a
+        waiting acquire of a contended name then skips its attempt and waits in the server at
+        once (one round trip where the attempt, its holder look-up and the wait were three).
+        False (the default): attempt first."""
+        return False
+
     def __init__(self, url: StoreURL, client: Any = None) -> None:
         self.url = url
         #: The application's own client the store borrows from (``connect(client=…)``), or

@@ -154,6 +154,10 @@ class Store:
         return None
         yield  # a generator
 
+    def contended(self, name: str) -> bool:
+        """See ``BackendBase.contended`` (no I/O)."""
+        return False
+
 
 def _load(target: str) -> Any:
     module, _, attr = target.partition(":")
@@ -285,6 +289,9 @@ class StoreBackend(Backend):
     def rows_notify(self, spec: RowSpec, wake: str) -> None:
         self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
+
+    def contended(self, name: str) -> bool:
+        return self.store.contended(name)
 
     def rows_wake_sql(self, wake: str) -> str | None:
         return self._rows().rows_wake_sql(wake)
@@ -455,6 +462,9 @@ class AsyncStoreBackend(AsyncBackend):
     async def rows_notify(self, spec: RowSpec, wake: str) -> None:
         await self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
+
+    def contended(self, name: str) -> bool:
+        return self.store.contended(name)
 
     def rows_wake_sql(self, wake: str) -> str | None:
         return self._rows().rows_wake_sql(wake)
