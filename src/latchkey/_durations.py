@@ -41,7 +41,20 @@ def parse_duration(value: Duration, *, what: str = "duration") -> float:
     return seconds
 
 
+#: Texts already read (a lock made per use parses the same few, e.g. "30s", each time).
+_READ: dict[str, float] = {}
+
+
 def _parse_text(text: str, what: str) -> float:
+    seconds = _READ.get(text)
+    if seconds is None:
+        seconds = _read_text(text, what)
+        if len(_READ) < 256:
+            _READ[text] = seconds
+    return seconds
+
+
+def _read_text(text: str, what: str) -> float:
     raw = text.strip().lower()
     if not raw:
         raise ConfigError(f"{what}: empty duration")

@@ -8,6 +8,7 @@ tests drive this with a fake clock (``tests/unit/test_waiting.py``).
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,13 @@ class Backoff:
         self.initial = initial
         self.cap = cap
         self._current = initial
-        self._rng = rng or random.Random()
+        # Made on first use: seeding one from the OS cost a waiting acquire of a blocking
+        # store (which rarely backs off) a tenth of its CPU.
+        self._given = rng
+
+    @functools.cached_property
+    def _rng(self) -> random.Random:
+        return self._given or random.Random()
 
     def next(self) -> float:
         delay = self._current
