@@ -28,7 +28,7 @@ Subjects (the raw ones use psycopg 3 and PyMySQL, the drivers latchkey uses; sql
   ``UPDATE … SET processed_at``, then the record; no lock (the seed's first daemon).
 - ``for-update``: the seed's fix, ``BEGIN; SELECT … LIMIT 1 FOR UPDATE; UPDATE; record;
   COMMIT``. On SQLite (no FOR UPDATE) the same transaction opened with ``BEGIN IMMEDIATE``.
-- ``skip1``: the statements ``take1`` sends, by hand: ``BEGIN; SELECT … LIMIT 1 FOR UPDATE
+- ``skip1``: the statements ``take1`` sends, by hand: ``BEGIN; SELECT * … LIMIT 1 FOR UPDATE
   SKIP LOCKED; UPDATE; record; COMMIT`` (an empty read while rows are due waits as take's
   daemons do): the floor of a one-row take on this machine, what take1 costs without latchkey.
 - ``take1``, ``take10``: ``store.rows(...).take(limit=1|10)``; the UPDATE and the record go
@@ -313,10 +313,12 @@ def daemon(cfg: dict[str, Any], index: int, barrier: Any, kill_at: int) -> None:
                 out["batches"] += 1
                 continue
             if subject in ("for-update", "skip1"):
+                # skip1 reads the whole row, as take hands it out (columns=None)
+                read = due if subject == "for-update" else due.replace("SELECT id", "SELECT *")
                 lock = " FOR UPDATE" if subject == "for-update" else " FOR UPDATE SKIP LOCKED"
                 try:
                     raw.begin(immediate=True)
-                    found, _ = raw.run(due if store == "sqlite" else due + lock)
+                    found, _ = raw.run(read if store == "sqlite" else read + lock)
                     if found:
                         raw.run(update, (found[0][0],))
                         raw.run(record, (found[0][0], pid, None))
