@@ -478,17 +478,8 @@ class Link(Session):
         super().__init__(driver.params, driver.timeout)
         self.driver = driver
         self.cut = False  # the watchdog shut its socket down: never to be used again
-        self._statements: tuple[Any, psycopg.Cursor[Any], str] | None = None
-
-    def statements(self) -> tuple[psycopg.Cursor[Any], str]:
-        """The cursor of a take's statements, and the connection's encoding: one per
-        connection, kept (a new cursor per statement cost a take a tenth of its CPU)."""
-        conn = self.conn
-        assert conn is not None
-        kept = self._statements
-        if kept is None or kept[0] is not conn:
-            kept = self._statements = (conn, conn.cursor(), conn.info.encoding)
-        return kept[1], kept[2]
+        #: (connection, the cursor of a take's statements on it, its encoding): kept_cursor.
+        self.kept: tuple[Any, psycopg.Cursor[Any], str] | None = None
 
     def answer(self, request: Any) -> Any:
         """One request (see the module docstring), bounded by the watchdog; creates the tables
@@ -864,7 +855,7 @@ def statement(link: Link, request: Statement) -> tuple[list[str] | None, list[An
     assert link.conn is not None
     WATCHDOG.arm(link, link.driver.guard, link.fileno)
     try:
-        cur, encoding = link.statements()
+        cur, encoding = kept_cursor(link)
         link.run_statement(cur, request.sql, request.params)  # params None: sent as is
         columns = result_columns(cur, encoding)
         return (None, []) if columns is None else (columns, cur.fetchall())
@@ -876,6 +867,18 @@ def statement(link: Link, request: Statement) -> tuple[list[str] | None, list[An
     finally:
         if WATCHDOG.disarm(link):
             link.cut = True
+
+
+def kept_cursor(link: Any) -> tuple[Any, str]:
+    """The cursor of a take's statements on ``link`` (a Link or an AsyncLink) and its
+    connection's encoding: one per connection, kept (a new cursor per statement cost a take a
+    tenth of its CPU)."""
+    conn = link.conn
+    assert conn is not None
+    kept = link.kept
+    if kept is None or kept[0] is not conn:
+        kept = link.kept = (conn, conn.cursor(), conn.info.encoding)
+    return kept[1], kept[2]
 
 
 def result_columns(cur: Any, encoding: str) -> list[str] | None:

@@ -57,6 +57,7 @@ from latchkey.stores.io.psycopg import (
     deallocated,
     handoff_grant,
     input_waiting,
+    kept_cursor,
     queue_order,
     queued_ahead,
     result_columns,
@@ -472,16 +473,8 @@ class AsyncLink(AsyncSession):
     def __init__(self, driver: AsyncPsycopgDriver) -> None:
         super().__init__(driver.params, driver.timeout)
         self.driver = driver
-        self._statements: tuple[Any, psycopg.AsyncCursor[Any], str] | None = None
-
-    def statements(self) -> tuple[psycopg.AsyncCursor[Any], str]:
-        """As :meth:`latchkey.stores.io.psycopg.Link.statements`."""
-        conn = self.conn
-        assert conn is not None
-        kept = self._statements
-        if kept is None or kept[0] is not conn:
-            kept = self._statements = (conn, conn.cursor(), conn.info.encoding)
-        return kept[1], kept[2]
+        #: As Link.kept: the cursor of a take's statements (kept_cursor).
+        self.kept: tuple[Any, psycopg.AsyncCursor[Any], str] | None = None
 
     async def answer(self, request: Any) -> Any:
         """One request; creates the tables if they are missing."""
@@ -661,7 +654,7 @@ async def astatement(link: AsyncLink, request: Statement) -> tuple[list[str] | N
     assert conn is not None
 
     async def run() -> tuple[list[str] | None, list[Any]]:
-        cur, encoding = link.statements()
+        cur, encoding = kept_cursor(link)
         await link.run_statement(cur, request.sql, request.params)  # params None: sent as is
         columns = result_columns(cur, encoding)
         return (None, []) if columns is None else (columns, await cur.fetchall())
