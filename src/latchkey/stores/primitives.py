@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Hashable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -50,6 +51,29 @@ if TYPE_CHECKING:
     from latchkey.stores.io import Driver
     from latchkey.stores.io.aio import AsyncDriver
     from latchkey.stores.rows_sql import RowClaims
+
+
+class BusyMemory:
+    """The names an attempt through one store object found busy in the last ``seconds`` (a
+    hint, no I/O; at most ``size`` kept, the stale dropped first): a store may answer a waiting
+    attempt at such a name more cheaply (``BackendBase.contended``; SQLite's read first)."""
+
+    def __init__(self, seconds: float = 1.0, size: int = 1024) -> None:
+        self.seconds, self.size = seconds, size
+        self.until: dict[Hashable, float] = {}
+
+    def mark(self, key: Hashable) -> None:
+        now = time.monotonic()
+        if len(self.until) >= self.size:
+            for old in [k for k, until in self.until.items() if until <= now]:
+                del self.until[old]
+            if len(self.until) >= self.size:  # all fresh: forget the oldest
+                del self.until[next(iter(self.until))]
+        self.until[key] = now + self.seconds
+
+    def recent(self, key: Hashable) -> bool:
+        until = self.until.get(key)
+        return until is not None and until > time.monotonic()
 
 
 class Store:

@@ -35,7 +35,7 @@ from latchkey._types import Busy, Grant, Holder, LockInfo
 from latchkey.errors import Unsupported
 from latchkey.stores.base import SESSION_LOCKS
 from latchkey.stores.io import Steps
-from latchkey.stores.primitives import Store
+from latchkey.stores.primitives import BusyMemory, Store
 
 #: How a statement's answer reads (the driver turns the server's reply into it):
 #: YES: 1 (it took, held or released the lock), 0 (it did not) or None (the lock call itself
@@ -159,8 +159,8 @@ class SessionLocks(Store):
         super().__init__(backend)
         self.prefix: str = self.config["prefix"]
         self.held: dict[Hashable, Hold] = {}
-        #: key -> until when (monotonic) an attempt at it found it busy: ``contended``.
-        self.busy_until: dict[Hashable, float] = {}
+        #: The keys a try found busy lately: ``contended``.
+        self.busy_keys = BusyMemory(CONTENDED_FOR)
 
     # -- the store's hooks -----------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class SessionLocks(Store):
             return GRANTED
         if taken is None:
             raise Refused("the lock call returned NULL")
-        self.mark_contended(key)
+        self.busy_keys.mark(key)
         return self.busy(key, (yield Run(self.HOLDER, self.HOLDER.args(key), main))[0])
 
     def contended(self, name: str) -> bool:
@@ -256,15 +256,7 @@ class SessionLocks(Store):
         waiting acquire then waits on a spare at once, in one round trip where the attempt,
         its HOLDER and the wait took three (8 processes looping on one name: most attempts
         find it busy). Re-learnt by an attempt once that time is up."""
-        until = self.busy_until.get(self.key(name))
-        return until is not None and until > time.monotonic()
-
-    def mark_contended(self, key: Hashable) -> None:
-        now = time.monotonic()
-        if len(self.busy_until) >= 1024:  # bounded: forget the names no longer contended
-            for old in [k for k, until in self.busy_until.items() if until <= now]:
-                del self.busy_until[old]
-        self.busy_until[key] = now + CONTENDED_FOR
+        return self.busy_keys.recent(self.key(name))
 
     def acquire_blocking(
         self,

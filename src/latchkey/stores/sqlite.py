@@ -31,7 +31,7 @@ from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.doorbell import Listen, Ring
-from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
+from latchkey.stores.primitives import AsyncStoreBackend, BusyMemory, StoreBackend
 from latchkey.stores.rows_sql import SQLITE, RowClaims
 from latchkey.stores.sql import LeaseTable, Query, chunks
 
@@ -71,6 +71,13 @@ DELETE_EXPIRED_OF = "DELETE FROM {t} WHERE name = ? AND expires_at <= ?"
 LIVE_OF = (
     "SELECT slot, owner_info, token, acquired_at, expires_at, owner FROM {t} "
     "WHERE name = ? ORDER BY expires_at"
+)
+# The same as a read, no write lock taken, with the clock: how an attempt at a name found busy
+# a moment ago looks first (a waiter's retry; BEGIN IMMEDIATE only if it looks free). In: name.
+# Out: as LIVE_OF, live rows only, then now (one 'now' for the whole statement).
+PEEK_LIVE = (
+    f"SELECT slot, owner_info, token, acquired_at, expires_at, owner, {NOW_MS} FROM {{t}} "
+    f"WHERE name = ? AND expires_at > {NOW_MS} ORDER BY expires_at"
 )
 # Takes the next fencing token(s). In: how many. Out: the last token taken.
 NEXT_FENCE = "UPDATE {t}_meta SET value = value + ? WHERE key = 'fence' RETURNING value"
@@ -129,10 +136,14 @@ class SQLite(RowClaims, LeaseTable):
     RECORD_GET, RECORD_INSERT, RECORD_UPDATE = RECORD_GET, RECORD_INSERT, RECORD_UPDATE
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     DELETE_EXPIRED_OF, LIVE_OF, NEXT_FENCE = DELETE_EXPIRED_OF, LIVE_OF, NEXT_FENCE
-    INSERT_LEASE, EXTEND = INSERT_LEASE, EXTEND
+    INSERT_LEASE, EXTEND, PEEK_LIVE = INSERT_LEASE, EXTEND, PEEK_LIVE
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
+        #: Names an attempt found busy lately: the next attempt reads before it writes. Eight
+        #: processes on one name made ~6 write transactions per waiting acquisition, each
+        #: holding the one write lock that the holder's release and next acquire wait for.
+        self.busy_keys = BusyMemory()
         url = self.url
         if url.hosts:
             raise ConfigError(
@@ -179,9 +190,16 @@ class SQLite(RowClaims, LeaseTable):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        return (
-            yield from self.transaction(self._acquire(name.encode(), owner, owner_info, ttl, limit))
-        )
+        key = name.encode()
+        if self.busy_keys.recent(key):  # contended: look before taking the write lock
+            live, _ = yield Query(self.PEEK_LIVE, (key,))
+            if len(live) >= limit and all(row[5] != owner for row in live):
+                soonest = live[0]
+                return Busy(len(live), self.holder(soonest), (soonest[4] - soonest[6]) / 1000)
+        result = yield from self.transaction(self._acquire(key, owner, owner_info, ttl, limit))
+        if type(result) is Busy:
+            self.busy_keys.mark(key)
+        return result
 
     def _acquire(
         self, key: bytes, owner: str, owner_info: str, ttl: float, limit: int
