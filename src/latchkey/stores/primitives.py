@@ -64,12 +64,14 @@ class BusyMemory:
 
     def mark(self, key: Hashable) -> None:
         now = time.monotonic()
-        if len(self.until) >= self.size:
-            for old in [k for k, until in self.until.items() if until <= now]:
-                del self.until[old]
-            if len(self.until) >= self.size:  # all fresh: forget the oldest
-                del self.until[next(iter(self.until))]
-        self.until[key] = now + self.seconds
+        until = self.until
+        if len(until) >= self.size:  # (a copy of the items: safe beside another thread)
+            for old, ends in list(until.items()):
+                if ends <= now:
+                    until.pop(old, None)
+            if len(until) >= self.size:  # all fresh: forget the oldest
+                until.pop(next(iter(list(until))), None)
+        until[key] = now + self.seconds
 
     def recent(self, key: Hashable) -> bool:
         until = self.until.get(key)
