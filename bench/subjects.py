@@ -11,6 +11,7 @@ Every wait is bounded, so no benchmark can hang on a lost wake-up.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -305,7 +306,11 @@ class RawPG:
         self.conn.execute("SET statement_timeout = 15000")
         self.advisory = advisory
         if not advisory:
-            self.conn.execute(PG_CREATE)
+            # Scenario C's 8 processes start at once: CREATE TABLE IF NOT EXISTS races in the
+            # catalog (a unique violation on pg_type); whoever lost finds the table made.
+            lost = (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable)
+            with contextlib.suppress(*lost):
+                self.conn.execute(PG_CREATE)
 
     def make(self, name: str) -> Handle:
         return RawPGHandle(self, name)
