@@ -141,6 +141,16 @@ def _secret(key: str) -> bool:
     )
 
 
+#: A secret query option's value in any text (``sslpassword=…``, ``auth_token=…``).
+_SECRET_OPTION = re.compile(r"([?&][^=&\s]*(?:password|secret|token)[^=&\s]*=)[^&\s]+", re.I)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the password of every URL in it, and every secret option's value,
+    replaced by ``***`` (for messages that may echo what a user typed, unparsed)."""
+    return _SECRET_OPTION.sub(r"\1***", _mask_text(text))
+
+
 def _mask_text(text: str, password: str | None = None) -> str:
     masked = _USERINFO.sub(r"\1***@", text)
     if password:

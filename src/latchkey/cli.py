@@ -26,7 +26,7 @@ from latchkey._durations import format_duration, parse_duration, parse_ttl, pars
 from latchkey._lock import Lock
 from latchkey._store import Store, connect
 from latchkey._types import LockInfo, RowState
-from latchkey._url import StoreURL
+from latchkey._url import StoreURL, mask_secrets
 from latchkey.errors import (
     ConfigError,
     InvalidName,
@@ -53,6 +53,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad option is one line and exit 78 (EX_CONFIG), as for a bad URL."""
 
     def error(self, message: str) -> NoReturn:
+        # argparse echoes what it could not read, a URL with its password included
+        message = mask_secrets(message)
         self.exit(EX_CONFIG, f"latchkey: {message} (see latchkey {self._sub()}--help)\n")
 
     def _sub(self) -> str:

@@ -124,6 +124,19 @@ def test_bad_input_exits_78_with_one_line(env: dict[str, str]) -> None:
         assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
 
 
+def test_an_argument_argparse_cannot_read_is_echoed_without_its_password(
+    env: dict[str, str],
+) -> None:
+    for args in (
+        ["ls", "--store", "postgresql://app:s3cret@127.0.0.1:1/db?timeout=1"],
+        ["ls", "--store", "mongodb://h:27017/db?tls=true&tlsCertificateKeyFilePassword=s3cret"],
+        ["show", "x", "y", "redis://:s3cret@127.0.0.1:1/0"],
+    ):
+        result = latchkey(env, *args)
+        assert result.returncode == 78, (args, result.stderr)
+        assert "s3cret" not in result.stderr and "***" in result.stderr, result.stderr
+
+
 def test_unreachable_store_exits_69_without_password(env: dict[str, str]) -> None:
     result = latchkey(env, "ls", "--url", "redis://:s3cr3t-pw@127.0.0.1:1/0?timeout=1s")
     assert result.returncode == 69
