@@ -54,6 +54,7 @@ def describe_holder(holder: Holder | None) -> str:
 #: moment ago (``Backend.contended``), so it waits in a blocking store at once.
 CONTENDED = Busy(holders=1)
 
+
 class LeaseCore:
     """One lease's parameters and state, and its rules as generators. Not public: see
     :class:`latchkey.Lock` and :class:`latchkey.AsyncLock`."""
@@ -162,9 +163,8 @@ class LeaseCore:
         result: Any
         try:
             if holds is None:
-                if wait_s != 0 and self._caps.blocking and self.limit == 1 and (
-                    self._backend.contended(self.name)
-                ):
+                waits_in_store = wait_s != 0 and self._caps.blocking and self.limit == 1
+                if waits_in_store and self._backend.contended(self.name):
                     result = CONTENDED  # busy a moment ago: wait in the store at once
                 else:
                     result = yield (CALL, None, "acquire", args)
