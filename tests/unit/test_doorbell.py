@@ -99,9 +99,12 @@ def test_a_blocked_acquire_is_woken_by_the_release_not_by_polling(
 ) -> None:
     url = f"sqlite:///{tmp_path / 'locks.db'}"
     woken: list[bool] = []
+    in_line = threading.Event()
     wait = Bell.wait
 
     def spy(self: Bell, timeout: float) -> bool:
+        if woken:  # a wait after one that timed out: the attempt between them found it busy,
+            in_line.set()  # so a release from now on rings this bell (buffered if early)
         answer = wait(self, timeout)
         woken.append(answer)
         return answer
@@ -114,8 +117,9 @@ def test_a_blocked_acquire_is_woken_by_the_release_not_by_polling(
         lock = waiter_store.lock("n", ttl="60s", wait="30s")
         waiter = threading.Thread(target=lambda: got.append(lock.acquire()))
         waiter.start()
-        while not woken:  # the waiter is in line (its first wait timed out)
-            threading.Event().wait(0.005)
+        # Released only while the waiter is in its second wait: released just after its
+        # first one timed out, the attempt in between could take the lock without a ring.
+        assert in_line.wait(30)
         holder.release()
         waiter.join(30)
         assert got == [True]
