@@ -279,7 +279,8 @@ def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
 ) -> None:
     """The mutex fast paths: acquire is EXISTS (both shapes at once), TIME, the fence's GET
     and SET, the lease's SET;
-    release is GET, DEL, PUBLISH. Nothing of the semaphore path runs."""
+    release is GET, DEL, PUBLISH, and one EXISTS to see that no process waits in line.
+    Nothing of the semaphore path runs."""
     backend.acquire("warm", "w" * 32, INFO, 30)
     backend.release("warm", "w" * 32)
 
@@ -294,7 +295,7 @@ def test_a_free_mutex_costs_a_hand_written_locks_commands_plus_time_and_fence(
     acquire = spent(lambda: backend.acquire("n", "a" * 32, INFO, 30))
     assert acquire == {"evalsha": 1, "exists": 1, "time": 1, "get": 1, "set": 2}
     release = spent(lambda: backend.release("n", "a" * 32))
-    assert release == {"evalsha": 1, "get": 1, "del": 1, "publish": 1}
+    assert release == {"evalsha": 1, "get": 1, "del": 1, "publish": 1, "exists": 1}
 
 
 @pytest.mark.parametrize("first_limit", [2, 3])
@@ -432,6 +433,139 @@ def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend)
         assert time.monotonic() - start < 2
 
 
+# -- one process woken per release: the line and the turn (redis_lua, "Waking one process") --
+
+TURN_MS, RESERVE_MS = 10, 500  # as in redis_lua_helpers.PROLOGUE
+
+
+def _in_line(backend: RedisBackend, name: str, owner: str) -> Any:
+    """A mutex waiter of ``name`` in ``backend`` (its own line id: a process of its own), put
+    in the name's line as the core does: subscribe, then an attempt that finds it busy."""
+    waiter = backend.wait_in_line(name, owner, INFO, 30, 1)
+    assert isinstance(backend.acquire(name, owner, INFO, 30), Busy)
+    return waiter
+
+
+def _woken(backend: RedisBackend, name: str) -> tuple[str, int] | None:
+    value = backend.io.client.get(f"{backend.store.base(name)}:rung")
+    if value is None:
+        return None
+    line_id, _, ms = value.partition(":")
+    return line_id, int(ms)
+
+
+def test_a_release_wakes_the_first_waiting_process_only(redis_url: str) -> None:
+    """Each backend here has its own line id, as a process has: with every waiting process
+    woken by each release, 8 processes made ~8 attempts per grant."""
+    holder, *others = backends = [open_backend(redis_url) for _ in range(3)]
+    try:
+        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+        first = _in_line(others[0], "n", "1" * 32)
+        second = _in_line(others[1], "n", "2" * 32)
+        info = holder.inspect("n")
+        assert info is not None and info.waiting_processes == 2
+        assert holder.release("n", "h" * 32)
+        assert first.wait(5) is True
+        assert second.wait(0.2) is False  # not woken: not its turn
+        assert isinstance(others[0].acquire("n", "1" * 32, INFO, 30), Grant)
+        first.close()
+        assert others[0].release("n", "1" * 32)
+        assert second.wait(5) is True
+        second.close()
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(redis_url: str) -> None:
+    holder, waiting, third = backends = [open_backend(redis_url) for _ in range(3)]
+    try:
+        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+        waiter = _in_line(waiting, "n", "w" * 32)
+        assert holder.release("n", "h" * 32)
+        assert waiter.wait(5) is True
+        rung = _woken(holder, "n")
+        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+        eventually(lambda: _server_ms(holder) >= rung[1] + TURN_MS, what="the turn due")
+        for other, owner in ((third, "x" * 32), (holder, "h" * 32)):
+            busy = other.acquire("n", owner, INFO, 30)
+            assert isinstance(busy, Busy) and busy.holder is None and busy.holders == 1
+            assert busy.retry_after is not None and 0 < busy.retry_after <= RESERVE_MS / 1000
+        assert isinstance(waiting.acquire("n", "w" * 32, INFO, 30), Grant)
+        assert _woken(holder, "n") is None
+        waiter.close()
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_a_turn_ends_when_its_process_stops_listening_or_does_not_come(redis_url: str) -> None:
+    holder, waiting, third = backends = [open_backend(redis_url) for _ in range(3)]
+    try:
+        for leaves in (True, False):
+            assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+            waiter = _in_line(waiting, "n", "w" * 32)
+            assert holder.release("n", "h" * 32) and waiter.wait(5)
+            rung = _woken(holder, "n")
+            assert rung is not None
+            if leaves:  # its waiter left: the turn is dropped as soon as it is due
+                waiter.close()
+                channel = waiting.store.waiters_channel("n")  # type: ignore[attr-defined]
+                eventually(
+                    lambda c=channel: holder.io.client.pubsub_numsub(c)[0][1] == 0,  # type: ignore[misc]
+                    what="unsubscribed",
+                )
+                eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
+                assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant)
+            else:  # it listens but never comes: the name is free for all after the reserve
+                eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
+                assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Busy)
+                granted = eventually(
+                    lambda: isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant),
+                    what="the reserve over",
+                )
+                assert granted and _server_ms(holder) >= rung[1] + TURN_MS + RESERVE_MS - 2
+                waiter.close()
+            assert third.release("n", "x" * 32)
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_a_release_skips_processes_that_left_the_line(redis_url: str) -> None:
+    holder, gone, waiting = backends = [open_backend(redis_url) for _ in range(3)]
+    try:
+        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+        left = _in_line(gone, "n", "g" * 32)  # first in line, then it stops listening
+        waiter = _in_line(waiting, "n", "w" * 32)
+        left.close()
+        channel = gone.store.waiters_channel("n")  # type: ignore[attr-defined]
+        eventually(lambda: holder.io.client.pubsub_numsub(channel)[0][1] == 0, what="unsub")
+        assert holder.release("n", "h" * 32)
+        assert waiter.wait(5) is True
+        rung = _woken(holder, "n")
+        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+        waiter.close()
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_a_forked_child_has_a_line_id_of_its_own(backend: RedisBackend) -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, backend.store.line_id.encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child and child != backend.store.line_id
+    assert ":" not in child and child.split(".")[1] == backend.store.line_id.split(".")[1]
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
@@ -451,7 +585,7 @@ def test_server_stopped_mid_run(own_server: RunningServer) -> None:
 
         waiter = threading.Thread(target=wait_for_it)
         waiter.start()
-        channel = other.backend.store.keys("job")[0]  # type: ignore[attr-defined]
+        channel = other.backend.store.waiters_channel("job")  # type: ignore[attr-defined]
         client = other.backend.io.client  # type: ignore[attr-defined]
         eventually(lambda: client.pubsub_numsub(channel)[0][1] == 1, what="waiter subscribed")
         own_server.stop()
@@ -658,7 +792,7 @@ async def _until(probe: Callable[[], Awaitable[object]], what: str, timeout: flo
 
 def _subscribers(backend: AsyncRedisBackend, name: str) -> Callable[[], Awaitable[int]]:
     async def count() -> int:
-        reply = await backend.io.client.pubsub_numsub(backend.store.keys(name)[0])
+        reply = await backend.io.client.pubsub_numsub(backend.store.waiters_channel(name))
         return int(reply[0][1])
 
     return count

@@ -5,7 +5,12 @@ Key layout, for a name whose UTF-8 bytes in hex are ``H`` and the ``?prefix=`` `
 
     P{H}:lease   string      the mutex holder: "owner:token:acquired ms:owner_info", PX ttl;
                              also the pub/sub channel on which every release is announced
-                             (its subscribers, counted by INSPECT, are the waiting stores)
+                             to semaphore waiters (limit > 1)
+    P{H}:lease:L channel     a mutex waiter's: ``L`` is its store object's line id (one per
+                             store object and process); a release wakes one such channel
+    P{H}:line    sorted set  the processes (line ids) waiting for the mutex -> when each came
+    P{H}:rung    string      "L:ms": the process a release woke, and when; for 500 ms from
+                             5 ms after that, a free name is its turn (see redis_lua)
     P{H}:leases  sorted set  semaphore holders: owner token -> expiry (ms, server clock)
     P{H}:owners  hash        semaphore holders: owner token -> "token:acquired ms:owner_info"
     P{H}:fence   string      the last fencing token: the next is max(fence + 1, now ms);
@@ -24,7 +29,11 @@ restarts (as long as the server's clock does not go back).
 
 Time is the server's: scripts read ``TIME`` (allowed in Redis >= 5 with effects replication,
 the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release script; one
-pub/sub connection per backend serves all its waiters.
+pub/sub connection per backend serves all its waiters. A release of a mutex wakes one waiting
+process, the first in the name's line, on its own channel (not every process that waits: with
+8 processes on one name that cost ~8 attempts per grant); the process whose waiters listen
+there joins the line at its first busy attempt after subscribing. INSPECT counts the waiting
+store objects: the subscribers of ``P{H}:lease`` and the channels ``P{H}:lease:*``.
 
 Here: the key layout, the requests, the reply parsing and the primitives, I/O-free. The
 scripts are in :mod:`latchkey.stores.redis_lua`; the bytes move in
@@ -34,7 +43,11 @@ scripts are in :mod:`latchkey.stores.redis_lua`; the bytes move in
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+import os
+import secrets
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
@@ -53,6 +66,7 @@ from latchkey.stores.redis_lua import (
     EXTEND,
     FORCE_RELEASE,
     INSPECT,
+    JOIN,
     PURGE,
     PURGE_DUE,
     RECORD_DELETE,
@@ -63,7 +77,7 @@ from latchkey.stores.redis_lua import (
 from latchkey.stores.redis_lua_helpers import Lua
 
 SCRIPTS = (ACQUIRE, CLAIM, RELEASE, RELEASE_MANY, EXTEND, INSPECT, FORCE_RELEASE, PURGE,
-           PURGE_DUE, RECORD_SET, RECORD_DELETE)  # fmt: skip
+           PURGE_DUE, RECORD_SET, RECORD_DELETE, JOIN)  # fmt: skip
 BATCH = 500  # names per script call in list()
 PURGE_PAGE = 100  # zsets per purge script: about a millisecond of the server's time
 
@@ -86,6 +100,13 @@ class Subscribe(NamedTuple):
     driver's Waiter (sync) or AsyncWaiter, woken by every PUBLISH on the channel."""
 
     channel: str
+
+
+#: This process's part of every line id: new in a forked child, so parent and child never
+#: share a waiter's channel.
+_PROCESS = [secrets.token_hex(4)]
+os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, secrets.token_hex(4)))
+_NUMBERS = itertools.count()
 
 
 def _dt(ms: int | float | str) -> datetime:
@@ -170,6 +191,16 @@ class Redis(Store):
         self.prefix: str = self.config["prefix"]
         _check_tls(self)
 
+    @functools.cached_property
+    def _number(self) -> str:
+        return f".{next(_NUMBERS)}"
+
+    @property
+    def line_id(self) -> str:
+        """This store object's name in the lines of waiting processes, and the last part of
+        its waiters' channels: ``<process>.<store object>`` (hex and digits, no ``:``)."""
+        return _PROCESS[0] + self._number
+
     # -- key layout (see the module docstring) -----------------------------------------------
 
     def base(self, name: str) -> str:
@@ -217,11 +248,13 @@ class Redis(Store):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        args = (owner, owner_info, _ttl_ms(ttl))  # no limit: the script's default, 1
+        args = (owner, owner_info, _ttl_ms(ttl), _PROCESS[0] + self._number)
         reply = yield (self.acquire_lua, (self.base(name),), args if limit == 1 else (*args, limit))
         if isinstance(reply, str):
-            return _grant(reply)
+            return _grant(reply)  # no limit above: the script's default, 1
         expires, now = int(reply[2]), int(reply[3])
+        if len(reply) > 4:  # free, but the turn of a process a release woke: no holder
+            return Busy(1, None, max(0, expires - now) / 1000)
         return Busy(int(reply[0]), _holder(reply[1], expires), max(0, expires - now) / 1000)
 
     def release(self, name: str, owner: str) -> Steps[bool]:
@@ -291,7 +324,16 @@ class Redis(Store):
     def wait_in_line(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Any]:
-        return (yield Subscribe(f"{self.base(name)}:lease"))
+        """A mutex waiter listens on this store object's own channel of the name (a release
+        wakes the first process in line there); a semaphore's on the name's channel."""
+        if limit != 1 or not owner:
+            return (yield Subscribe(f"{self.base(name)}:lease"))
+        yield (JOIN, (self.base(name),), (self.line_id,))  # first: nothing to undo if it fails
+        return (yield Subscribe(self.waiters_channel(name)))
+
+    def waiters_channel(self, name: str) -> str:
+        """The channel on which this store object's mutex waiters of ``name`` are woken."""
+        return f"{self.base(name)}:lease:{self.line_id}"
 
     def now(self) -> Steps[datetime]:
         seconds, micros = yield Command(("TIME",))

@@ -78,10 +78,11 @@ SLOTS = 16384
 def _sharded(lua: Lua) -> Lua:
     """The script for a cluster: every PUBLISH made an SPUBLISH (sharded pub/sub, Redis >=
     7.0), so a release is announced on the name's slot's shard only, where its waiters
-    subscribed, and subscribers counted with SHARDNUMSUB; and no expiry index kept (``INDEXED``
-    false: the index is a key of another slot than the name's)."""
+    subscribed, and subscribers counted with SHARDNUMSUB and SHARDCHANNELS; and no expiry
+    index kept (``INDEXED`` false: the index is a key of another slot than the name's)."""
     text = lua.text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
     text = text.replace("redis.call('PUBSUB', 'NUMSUB'", "redis.call('PUBSUB', 'SHARDNUMSUB'")
+    text = text.replace("redis.call('PUBSUB', 'CHANNELS'", "redis.call('PUBSUB', 'SHARDCHANNELS'")
     text = text.replace("local INDEXED = true\n", "local INDEXED = false\n")
     return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
 

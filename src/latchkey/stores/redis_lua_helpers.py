@@ -54,6 +54,7 @@ def _helpers_for(code: str) -> str:
 
 PROLOGUE = """
 if redis.replicate_commands then redis.replicate_commands() end
+local TURN_MS, RESERVE_MS = 10, 500  -- a woken process's turn: see redis_lua
 """
 HELPERS = """
 local INDEXED = true
@@ -124,16 +125,73 @@ local function busy(base, now)
   end
   return {#h / 2, h[best], tonumber(h[best + 1]), now}
 end
+-- The line of waiting processes (see "Waking one process" above the scripts).
+local LINE_KEEP_MS = 3600000
+local RING_TRIES = 4
+local function subscribed(channel) return redis.call('PUBSUB', 'NUMSUB', channel)[2] > 0 end
+local function enter(base, lid, now)  -- the process joins the name's line, or keeps its place
+  redis.call('ZADD', base .. ':line', 'NX', now, lid)
+  redis.call('PEXPIRE', base .. ':line', LINE_KEEP_MS)
+end
+local function join(base, lid, now)  -- enter, if it waits (listens on its channel)
+  if lid and lid ~= '' and subscribed(base .. ':lease:' .. lid) then enter(base, lid, now) end
+end
+local function turn_of(base, lid, now)  -- nil: free for the caller; else ms of another's turn
+  local r = redis.call('GET', base .. ':rung')
+  if not r then return nil end
+  local sep = string.find(r, ':', 1, true)
+  local rung = string.sub(r, 1, sep - 1)
+  if rung == lid then  -- the woken process takes its turn, and its other waiters (if any:
+    redis.call('DEL', base .. ':rung')  -- it still listens) join the end of the line
+    join(base, lid, now)
+    return nil
+  end
+  local age = now - tonumber(string.sub(r, sep + 1))
+  if age < TURN_MS then return nil end  -- the running may take it again, for now
+  if not subscribed(base .. ':lease:' .. rung) then  -- it stopped waiting: no turn to keep
+    redis.call('DEL', base .. ':rung')
+    return nil
+  end
+  return math.max(1, TURN_MS + RESERVE_MS - age)
+end
+local function ring(base)  -- the name was freed: wake the first waiting process, only it
+  local rung, line = base .. ':rung', base .. ':line'
+  if redis.call('EXISTS', rung, line) == 0 then return end
+  local now = now_ms()
+  for _ = 1, RING_TRIES do
+    local r = redis.call('GET', rung)
+    local lid
+    if r then  -- woken already: again once its turn is due, not before
+      local sep = string.find(r, ':', 1, true)
+      if now - tonumber(string.sub(r, sep + 1)) < TURN_MS then return end
+      lid = string.sub(r, 1, sep - 1)
+    else
+      lid = redis.call('ZPOPMIN', line)[1]
+      if not lid then return end
+      redis.call('SET', rung, lid .. ':' .. now, 'PX', TURN_MS + RESERVE_MS)
+    end
+    if redis.call('PUBLISH', base .. ':lease:' .. lid, '1') > 0 then return end
+    redis.call('DEL', rung)  -- nobody listens there any more (it left, or died): the next
+  end
+end
 -- a grant is the string "token:expires ms", or "token:expires ms:ms left" for the owner's own
 -- live lease found again (as it is: not renewed); busy is a table (see ACQUIRE)
-local function take(base, owner, info, now, ttl, limit)
+local function take(base, owner, info, now, ttl, limit, lid)
   local holder, rec = mutex_holder(base)
   if holder == owner then
     local left = redis.call('PTTL', base .. ':lease')
     return token_of(rec) .. ':' .. (now + left) .. ':' .. left
   end
   if limit == 1 then
-    if holder or live_members(base, now) > 0 then return busy(base, now) end
+    if holder or live_members(base, now) > 0 then
+      join(base, lid, now)
+      return busy(base, now)
+    end
+    local turn = turn_of(base, lid, now)
+    if turn then  -- free, but a woken process's turn: busy for the others, without a holder
+      join(base, lid, now)
+      return {1, '', now + turn, now, 1}
+    end
     local token = next_token(base, now, ttl)
     redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
                'PX', ttl)
@@ -178,12 +236,14 @@ local function release_slot(base, owner)  -- the owner's semaphore slot, if any
   end
   if tonumber(expires) <= now_ms() then return 0 end
   redis.call('PUBLISH', base .. ':lease', '1')
+  ring(base)
   return 1
 end
 local function release(base, owner)
   if mutex_holder(base) == owner then
     redis.call('DEL', base .. ':lease')
     redis.call('PUBLISH', base .. ':lease', '1')
+    ring(base)
     return 1
   end
   return release_slot(base, owner)
