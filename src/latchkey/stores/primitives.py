@@ -190,7 +190,26 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
-class StoreBackend(Backend):
+class _NoIO:
+    """What the sync and asyncio backends of a :class:`Store` answer alike, without I/O."""
+
+    store: Store
+    capabilities: Capabilities
+    scheme: str
+
+    def contended(self, name: str) -> bool:
+        return self.store.contended(name)
+
+    def rows_wake_sql(self, wake: str) -> str | None:
+        return self._rows().rows_wake_sql(wake)
+
+    def _rows(self) -> RowClaims:
+        if not self.capabilities.rows:
+            raise Unsupported(f"the {self.scheme} store does not support row claiming")
+        return self.store  # type: ignore[return-value]
+
+
+class StoreBackend(_NoIO, Backend):
     """The sync Backend of a :class:`Store`: each primitive run by the store's sync driver."""
 
     store_class: ClassVar[type[Store]]
@@ -316,17 +335,6 @@ class StoreBackend(Backend):
         self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
 
-    def contended(self, name: str) -> bool:
-        return self.store.contended(name)
-
-    def rows_wake_sql(self, wake: str) -> str | None:
-        return self._rows().rows_wake_sql(wake)
-
-    def _rows(self) -> RowClaims:
-        if not self.capabilities.rows:
-            raise Unsupported(f"the {self.scheme} store does not support row claiming")
-        return self.store  # type: ignore[return-value]
-
     def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
         """Autocommit steps on a connection of their own (they send Statement requests),
         then back to the pool unless something broke it. ``user``: the statements hold the
@@ -355,7 +363,7 @@ class StoreBackend(Backend):
         self.io.close()
 
 
-class AsyncStoreBackend(AsyncBackend):
+class AsyncStoreBackend(_NoIO, AsyncBackend):
     """The asyncio AsyncBackend of a :class:`Store`: each primitive run by its asyncio
     driver."""
 
@@ -489,20 +497,10 @@ class AsyncStoreBackend(AsyncBackend):
         await self.io.run(self._rows().rows_notify(spec, wake), "notify")
         self.lines.ring(wake)
 
-    def contended(self, name: str) -> bool:
-        return self.store.contended(name)
-
-    def rows_wake_sql(self, wake: str) -> str | None:
-        return self._rows().rows_wake_sql(wake)
-
     async def rows_status(self, spec: RowSpec, limit: int) -> RowStates:
         steps = self._rows().rows_status(spec, limit)
         return await self._pinned(steps, "read rows", user=True)  # type: ignore[no-any-return]
 
-    def _rows(self) -> RowClaims:
-        if not self.capabilities.rows:
-            raise Unsupported(f"the {self.scheme} store does not support row claiming")
-        return self.store  # type: ignore[return-value]
 
     async def _pinned(self, steps: Any, action: str, user: bool = False) -> Any:
         pin = await self.io.pin()  # type: ignore[attr-defined]

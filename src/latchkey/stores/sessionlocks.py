@@ -42,8 +42,6 @@ from latchkey.stores.primitives import BusyMemory, Store
 #: failed: GET_LOCK's NULL); ROWS: the rows; WAIT: as YES, for a wait in the server on a spare;
 #: DONE: True when it ran, False when the server refused it with the error code ``extra``.
 YES, ROWS, WAIT, DONE = range(4)
-#: How long a name stays contended (``SessionLocks.contended``) after an attempt found it busy.
-CONTENDED_FOR = 1.0
 
 
 class Statement(NamedTuple):
@@ -160,7 +158,7 @@ class SessionLocks(Store):
         self.prefix: str = self.config["prefix"]
         self.held: dict[Hashable, Hold] = {}
         #: The keys a try found busy lately: ``contended``.
-        self.busy_keys = BusyMemory(CONTENDED_FOR)
+        self.busy_keys = BusyMemory()
 
     # -- the store's hooks -----------------------------------------------------------------------
 
@@ -252,7 +250,7 @@ class SessionLocks(Store):
         return self.busy(key, (yield Run(self.HOLDER, self.HOLDER.args(key), main))[0])
 
     def contended(self, name: str) -> bool:
-        """Whether an attempt at ``name`` found it busy within CONTENDED_FOR seconds: a
+        """Whether an attempt at ``name`` found it busy within the last second (``BusyMemory``): a
         waiting acquire then waits on a spare at once, in one round trip where the attempt,
         its HOLDER and the wait took three (8 processes looping on one name: most attempts
         find it busy). Re-learnt by an attempt once that time is up."""
