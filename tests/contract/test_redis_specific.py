@@ -499,6 +499,31 @@ def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(redis_url: str)
             b.close()
 
 
+def test_a_woken_process_that_finds_the_name_taken_again_tries_when_its_turn_is_due(
+    redis_url: str,
+) -> None:
+    """Within the turn's first 10 ms a holder may take the name again (a barge), and its next
+    release within them rings nobody: the woken process is told to try again when its turn
+    comes due, not when the barging holder's lease would end."""
+    holder, waiting = backends = [open_backend(redis_url) for _ in range(2)]
+    try:
+        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+        waiter = _in_line(waiting, "n", "w" * 32)
+        line_id = waiting.store.line_id  # type: ignore[attr-defined]
+        now = _server_ms(holder)  # as a release just now would have left it:
+        holder.io.client.set(f"{holder.store.base('n')}:rung", f"{line_id}:{now}", px=510)
+        busy = waiting.acquire("n", "w" * 32, INFO, 30)
+        assert isinstance(busy, Busy) and busy.holder is not None  # the holder, as it is
+        assert busy.retry_after is not None and busy.retry_after <= TURN_MS / 1000
+        other = holder.acquire("n", "x" * 32, INFO, 30)  # not woken: the holder's lease end
+        assert isinstance(other, Busy) and other.retry_after is not None
+        assert other.retry_after > 20
+        waiter.close()
+    finally:
+        for b in backends:
+            b.close()
+
+
 def test_a_turn_ends_when_its_process_stops_listening_or_does_not_come(redis_url: str) -> None:
     holder, waiting, third = backends = [open_backend(redis_url) for _ in range(3)]
     try:

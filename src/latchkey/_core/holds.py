@@ -20,7 +20,7 @@ when it has no answer.
 - The blocked mutex acquires of one process also take turns at asking (:data:`PACED`):
   while an attempt of the process is in flight a waiter waits for its outcome instead of
   racing it to the store, and waiters ask in the order they came (one woken by a release
-  notice asks at once). A newcomer's first attempt is not held back (only a live lease
+  notice asks at once, in flight or not). A newcomer's first attempt is not held back (only a live lease
   answers it): the thread that just released takes the lease again while the woken waiter
   is still waking, and joining a store's line costs more than asking on some stores (an
   SQLite doorbell: ~300 µs against ~20 µs). PACED is never an acquire's final answer: a
@@ -134,16 +134,18 @@ class Holds:
         """The answer for a blocked acquire (``waiter``, in its name's queue) without the
         store, if there is one: busy while this process holds the name (:meth:`busy`); for a
         mutex, :data:`PACED` while an attempt of it is in flight, or while another of its
-        waiters came first — unless a release notice ``woken`` it. None: ask the store."""
+        waiters came first — unless a release notice ``woken`` it: an attempt in flight may
+        have been answered before that release, and where a release wakes one process (Redis)
+        nobody else would try. None: ask the store."""
         if self.pid != os.getpid():
             with self._lock:
                 self._forked()
         local = self.busy(name, limit)
-        if local is not None or limit != 1:
+        if local is not None or limit != 1 or woken:
             return local
         if name in self.asking:
             return PACED
-        if woken or name not in self.queue:
+        if name not in self.queue:
             return None
         with self._lock:  # the first of the line, read while no other thread changes it
             line = self.queue.get(name)

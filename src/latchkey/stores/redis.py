@@ -253,8 +253,11 @@ class Redis(Store):
         if isinstance(reply, str):
             return _grant(reply)  # no limit above: the script's default, 1
         expires, now = int(reply[2]), int(reply[3])
-        if len(reply) > 4:  # free, but the turn of a process a release woke: no holder
-            return Busy(1, None, max(0, expires - now) / 1000)
+        if len(reply) > 4:  # this process was woken: try again when its turn is due
+            retry = max(0, int(reply[4]) - now) / 1000
+            if not reply[1]:  # free, but the turn of another process a release woke
+                return Busy(1, None, retry)
+            return Busy(int(reply[0]), _holder(reply[1], expires), retry)
         return Busy(int(reply[0]), _holder(reply[1], expires), max(0, expires - now) / 1000)
 
     def release(self, name: str, owner: str) -> Steps[bool]:

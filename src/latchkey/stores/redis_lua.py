@@ -69,8 +69,11 @@ from latchkey.stores.redis_lua_helpers import HELPERS, LIBRARY, PROLOGUE, script
 #       (absent: 1).
 # Returns the string "token:expires ms" ("token:expires ms:ms left" for the owner's own live
 #         lease), or, when `limit` live holders exist, the table
-#         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms};
-#         {1, '', end of the turn ms, now ms, 1} for a free mutex that is a woken process's turn.
+#         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms}, with a
+#         5th, when to try again (ms), for a woken process whose turn comes due before that
+#         expiry (the holder barged; the release that ends its turn may ring nobody);
+#         {1, '', end of the turn ms, now ms, the same} for a free mutex that is a woken
+#         process's turn.
 # Fast path: a mutex on a name with no key of either shape and no process woken (one EXISTS
 # for the three) is free. Any holder, or a zset its expired semaphore holders left (it
 # outlives its last score by 1 ms), or a woken process, sends the call on to `take`, which

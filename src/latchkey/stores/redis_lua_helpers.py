@@ -154,6 +154,12 @@ local function turn_of(base, lid, now)  -- nil: free for the caller; else ms of 
   end
   return math.max(1, TURN_MS + RESERVE_MS - age)
 end
+local function turn_due(base, lid, now)  -- when the caller's turn comes due, if it is woken
+  local r = lid and redis.call('GET', base .. ':rung')  -- and it is not due yet; else nil
+  if not r or string.sub(r, 1, #lid + 1) ~= lid .. ':' then return nil end
+  local due = tonumber(string.sub(r, #lid + 2)) + TURN_MS
+  return due > now and due or nil
+end
 local function ring(base)  -- the name was freed: wake the first waiting process, only it
   local rung, line = base .. ':rung', base .. ':line'
   if redis.call('EXISTS', rung, line) == 0 then return end
@@ -185,12 +191,15 @@ local function take(base, owner, info, now, ttl, limit, lid)
   if limit == 1 then
     if holder or live_members(base, now) > 0 then
       join(base, lid, now)
-      return busy(base, now)
+      local out = busy(base, now)
+      local due = turn_due(base, lid, now)
+      if due and due < out[3] then out[5] = due end  -- try again then, not at the lease's end
+      return out
     end
     local turn = turn_of(base, lid, now)
     if turn then  -- free, but a woken process's turn: busy for the others, without a holder
       join(base, lid, now)
-      return {1, '', now + turn, now, 1}
+      return {1, '', now + turn, now, now + turn}
     end
     local token = next_token(base, now, ttl)
     redis.call('SET', base .. ':lease', owner .. ':' .. token .. ':' .. now .. ':' .. info,
