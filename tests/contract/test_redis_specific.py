@@ -576,6 +576,50 @@ def test_a_release_skips_processes_that_left_the_line(redis_url: str) -> None:
             b.close()
 
 
+def test_a_woken_process_that_leaves_without_the_name_wakes_the_next(redis_url: str) -> None:
+    holder, leaving, waiting = backends = [open_backend(redis_url) for _ in range(3)]
+    try:
+        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+        first = _in_line(leaving, "n", "l" * 32)
+        second = _in_line(waiting, "n", "w" * 32)
+        assert holder.release("n", "h" * 32)
+        assert first.wait(5) is True  # its process's turn
+        assert second.wait(0.2) is False
+        first.close()  # its wait ends without the name, no other waiter of it: pass it on
+        assert second.wait(5) is True
+        rung = _woken(holder, "n")
+        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+        second.close()
+    finally:
+        for b in backends:
+            b.close()
+
+
+def test_async_a_woken_process_that_leaves_without_the_name_wakes_the_next(
+    redis_url: str,
+) -> None:
+    async def main() -> None:
+        holder, leaving, waiting = backends = [_async_backend(redis_url) for _ in range(3)]
+        try:
+            assert isinstance(await holder.acquire("n", "h" * 32, INFO, 30), Grant)
+            waiters = []
+            for backend, owner in ((leaving, "l" * 32), (waiting, "w" * 32)):
+                waiters.append(await backend.wait_in_line("n", owner, INFO, 30, 1))
+                assert isinstance(await backend.acquire("n", owner, INFO, 30), Busy)
+            first, second = waiters
+            assert await holder.release("n", "h" * 32)
+            assert await first.wait(5) is True
+            assert await second.wait(0.2) is False
+            await first.close()
+            assert await second.wait(5) is True
+            await second.close()
+        finally:
+            for b in backends:
+                await b.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_forked_child_has_a_line_id_of_its_own(backend: RedisBackend) -> None:
     read, write = os.pipe()
     pid = os.fork()

@@ -20,12 +20,12 @@ when it has no answer.
 - The blocked mutex acquires of one process also take turns at asking (:data:`PACED`):
   while an attempt of the process is in flight a waiter waits for its outcome instead of
   racing it to the store, and waiters ask in the order they came (one woken by a release
-  notice asks at once, in flight or not). A newcomer's first attempt is not held back (only a live lease
-  answers it): the thread that just released takes the lease again while the woken waiter
-  is still waking, and joining a store's line costs more than asking on some stores (an
-  SQLite doorbell: ~300 µs against ~20 µs). PACED is never an acquire's final answer: a
-  wait that runs out on it asks the store once, and a try (``wait=0``) is never paced, so a
-  store failure is never reported as busy.
+  notice asks at once, in flight or not). A newcomer's first attempt is not held back (only
+  a live lease answers it): the thread that just released takes the lease again while the
+  woken waiter is still waking, and joining a store's line costs more than asking on some
+  stores (an SQLite doorbell: ~300 µs against ~20 µs). PACED is never an acquire's final
+  answer: a wait that runs out on it asks the store once, and a try (``wait=0``) is never
+  paced, so a store failure is never reported as busy.
 - A forked child starts empty: the parent's leases, attempts and waiters are not its own.
 
 Not used where a lease has no local deadline (session-tied locks: a dead session frees the
@@ -129,6 +129,13 @@ class Holds:
                 line.pop(waiter, None)
                 if not line:
                     del self.queue[name]
+
+    def first(self, name: str, waiter: object) -> bool:
+        """Whether ``waiter`` is the first of its name's queue here: the one the others let
+        ask (:meth:`answer`), so it must not sleep as if behind them."""
+        with self._lock:
+            line = self.queue.get(name)
+            return line is not None and next(iter(line), None) is waiter
 
     def answer(self, name: str, limit: int, waiter: object, woken: bool) -> Busy | None:
         """The answer for a blocked acquire (``waiter``, in its name's queue) without the

@@ -211,6 +211,9 @@ def _wait_with(
             continue
         races = 0
         ahead = 0 if waiter is None else waiter.ahead
+        holds = attempts.holds
+        if ahead and holds is not None and holds.first(attempts.args[0], attempts):
+            ahead = 0  # the others of this process wait for its attempts (PACED): it polls
         delay = backoff.next() if not ahead else backoff.behind(ahead)
         if share is not None and not ahead:  # cheap polls: bounded by the time waited
             quick = max(QUICK_POLL, share * (clock() - started))

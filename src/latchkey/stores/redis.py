@@ -32,8 +32,8 @@ the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release scr
 pub/sub connection per backend serves all its waiters. A release of a mutex wakes one waiting
 process, the first in the name's line, on its own channel (not every process that waits: with
 8 processes on one name that cost ~8 attempts per grant); the process whose waiters listen
-there joins the line at its first busy attempt after subscribing. INSPECT counts the waiting
-store objects: the subscribers of ``P{H}:lease`` and the channels ``P{H}:lease:*``.
+there joins the line before subscribing. INSPECT counts the waiting store objects: the
+subscribers of ``P{H}:lease``, and those in line or woken that listen on their channel.
 
 Here: the key layout, the requests, the reply parsing and the primitives, I/O-free. The
 scripts are in :mod:`latchkey.stores.redis_lua`; the bytes move in
@@ -67,6 +67,7 @@ from latchkey.stores.redis_lua import (
     FORCE_RELEASE,
     INSPECT,
     JOIN,
+    PASS,
     PURGE,
     PURGE_DUE,
     RECORD_DELETE,
@@ -77,7 +78,7 @@ from latchkey.stores.redis_lua import (
 from latchkey.stores.redis_lua_helpers import Lua
 
 SCRIPTS = (ACQUIRE, CLAIM, RELEASE, RELEASE_MANY, EXTEND, INSPECT, FORCE_RELEASE, PURGE,
-           PURGE_DUE, RECORD_SET, RECORD_DELETE, JOIN)  # fmt: skip
+           PURGE_DUE, RECORD_SET, RECORD_DELETE, JOIN, PASS)  # fmt: skip
 BATCH = 500  # names per script call in list()
 PURGE_PAGE = 100  # zsets per purge script: about a millisecond of the server's time
 
@@ -97,9 +98,12 @@ class Command(NamedTuple):
 
 class Subscribe(NamedTuple):
     """Request: a waiter subscribed to ``channel``, the server's confirmation read → the
-    driver's Waiter (sync) or AsyncWaiter, woken by every PUBLISH on the channel."""
+    driver's Waiter (sync) or AsyncWaiter, woken by every PUBLISH on the channel. ``passing``:
+    the script to send if it leaves woken without the lease and no waiter of this store object
+    is left on the channel (the woken process's turn passes on: see PASS)."""
 
     channel: str
+    passing: Script | None = None
 
 
 #: This process's part of every line id: new in a forked child, so parent and child never
@@ -176,6 +180,8 @@ class Redis(Store):
     #: The scripts that may change a semaphore's zset, and so its expiry index member: the
     #: cluster's own copies keep no index (:mod:`latchkey.stores.redis_cluster`).
     acquire_lua, extend_lua = ACQUIRE, EXTEND
+    #: The script that passes a woken process's turn on (it rings: SPUBLISH on a cluster).
+    pass_lua = PASS
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
@@ -331,8 +337,9 @@ class Redis(Store):
         wakes the first process in line there); a semaphore's on the name's channel."""
         if limit != 1 or not owner:
             return (yield Subscribe(f"{self.base(name)}:lease"))
-        yield (JOIN, (self.base(name),), (self.line_id,))  # first: nothing to undo if it fails
-        return (yield Subscribe(self.waiters_channel(name)))
+        base, line_id = self.base(name), self.line_id
+        yield (JOIN, (base,), (line_id,))  # first: nothing to undo if it fails
+        return (yield Subscribe(self.waiters_channel(name), (self.pass_lua, (base,), (line_id,))))
 
     def waiters_channel(self, name: str) -> str:
         """The channel on which this store object's mutex waiters of ``name`` are woken."""

@@ -65,6 +65,7 @@ from latchkey.stores.redis_lua import (
     EXTEND,
     FORCE_RELEASE,
     INSPECT,
+    PASS,
     PURGE,
     PURGE_DUE,
     RELEASE,
@@ -78,11 +79,10 @@ SLOTS = 16384
 def _sharded(lua: Lua) -> Lua:
     """The script for a cluster: every PUBLISH made an SPUBLISH (sharded pub/sub, Redis >=
     7.0), so a release is announced on the name's slot's shard only, where its waiters
-    subscribed, and subscribers counted with SHARDNUMSUB and SHARDCHANNELS; and no expiry
-    index kept (``INDEXED`` false: the index is a key of another slot than the name's)."""
+    subscribed, and subscribers counted with SHARDNUMSUB; and no expiry index kept (``INDEXED``
+    false: the index is a key of another slot than the name's)."""
     text = lua.text.replace("redis.call('PUBLISH'", "redis.call('SPUBLISH'")
     text = text.replace("redis.call('PUBSUB', 'NUMSUB'", "redis.call('PUBSUB', 'SHARDNUMSUB'")
-    text = text.replace("redis.call('PUBSUB', 'CHANNELS'", "redis.call('PUBSUB', 'SHARDCHANNELS'")
     text = text.replace("local INDEXED = true\n", "local INDEXED = false\n")
     return Lua(text, hashlib.sha1(text.encode("utf-8"), usedforsecurity=False).hexdigest())
 
@@ -98,6 +98,7 @@ S_RELEASE_MANY = _sharded(RELEASE_MANY)
 S_FORCE_RELEASE = _sharded(FORCE_RELEASE)
 S_INSPECT = _sharded(INSPECT)
 S_PURGE = _sharded(PURGE)
+S_PASS = _sharded(PASS)
 CLUSTER_SCRIPTS = tuple(_sharded(lua) for lua in SCRIPTS if lua is not PURGE_DUE)
 
 
@@ -137,7 +138,7 @@ class RedisCluster(Redis):
         "prefix": Option(key_prefix, "latchkey:", "prefix of every key (letters, digits, _:.-)"),
     }
     driver_options = CLUSTER_OPTIONS
-    acquire_lua, extend_lua = S_ACQUIRE, S_EXTEND
+    acquire_lua, extend_lua, pass_lua = S_ACQUIRE, S_EXTEND, S_PASS
     sync_driver = "latchkey.stores.io.redis_cluster:ClusterDriver"
     async_driver = "latchkey.stores.io.redis_cluster_async:AsyncClusterDriver"
 

@@ -193,8 +193,7 @@ return token_of(rec) .. ':' .. (now + ttl)
 """
 )
 
-# Live holders of names and how many connections wait for each (the subscribers of its wake
-# channel, "lease": one per client-side store with a waiter), read-only.
+# Live holders of names and how many store objects wait for each (`waiting`), read-only.
 # KEYS: base keys of the names.
 # Returns {now ms, then per name: {rec, expires ms, rec, expires ms, ...}, subscribers}.
 INSPECT = script(
@@ -204,8 +203,7 @@ local now = now_ms()
 local out = {now}
 for i = 1, #KEYS do
   out[2 * i] = holders(KEYS[i], now)
-  out[2 * i + 1] = redis.call('PUBSUB', 'NUMSUB', KEYS[i] .. ':lease')[2]
-                  + #redis.call('PUBSUB', 'CHANNELS', KEYS[i] .. ':lease:*')
+  out[2 * i + 1] = waiting(KEYS[i])
 end
 return out
 """
@@ -276,6 +274,24 @@ JOIN = script(
     LIBRARY
     + """
 enter(KEYS[1], ARGV[1], now_ms())
+"""
+)
+
+# A woken process's last waiter left without the name (its wait ran out, or was cancelled):
+# if the turn is still its own, it ends, and if the name is free the next in line is woken in
+# its place (else nobody would be until the next release, or the others' next polls).
+# KEYS: the name's base key.  ARGV: line id.  Returns 1 if another was woken, else 0.
+PASS = script(
+    LIBRARY
+    + """
+local r = redis.call('GET', KEYS[1] .. ':rung')
+if not r or string.sub(r, 1, #ARGV[1] + 1) ~= ARGV[1] .. ':' then return 0 end
+redis.call('DEL', KEYS[1] .. ':rung')
+if redis.call('EXISTS', KEYS[1] .. ':lease') == 1 or live_members(KEYS[1], now_ms()) > 0 then
+  return 0
+end
+ring(KEYS[1])
+return 1
 """
 )
 

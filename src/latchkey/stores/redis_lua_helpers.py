@@ -127,7 +127,7 @@ local function busy(base, now)
 end
 -- The line of waiting processes (see "Waking one process" above the scripts).
 local LINE_KEEP_MS = 3600000
-local RING_TRIES = 4
+local RING_TRIES = 64  -- processes that left are popped until one listens: ~2 µs each
 local function subscribed(channel) return redis.call('PUBSUB', 'NUMSUB', channel)[2] > 0 end
 local function enter(base, lid, now)  -- the process joins the name's line, or keeps its place
   redis.call('ZADD', base .. ':line', 'NX', now, lid)
@@ -159,6 +159,18 @@ local function turn_due(base, lid, now)  -- when the caller's turn comes due, if
   if not r or string.sub(r, 1, #lid + 1) ~= lid .. ':' then return nil end
   local due = tonumber(string.sub(r, #lid + 2)) + TURN_MS
   return due > now and due or nil
+end
+local function waiting(base)  -- store objects waiting for the name: those on its own channel
+  local n = redis.call('PUBSUB', 'NUMSUB', base .. ':lease')[2]  -- (semaphores), and those
+  local ids = redis.call('ZRANGE', base .. ':line', 0, 999)  -- in line or woken that listen
+  local r = redis.call('GET', base .. ':rung')
+  if r then ids[#ids + 1] = string.match(r, '^[^:]*') end
+  local seen = {}
+  for _, lid in ipairs(ids) do
+    if not seen[lid] and subscribed(base .. ':lease:' .. lid) then n = n + 1 end
+    seen[lid] = true
+  end
+  return n
 end
 local function ring(base)  -- the name was freed: wake the first waiting process, only it
   local rung, line = base .. ':rung', base .. ':line'

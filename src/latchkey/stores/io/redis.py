@@ -38,6 +38,7 @@ store must bound our calls whatever the client's socket timeout is (none by defa
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from latchkey.stores.base import BackendBase
     from latchkey.stores.redis import Redis, Script
 
+log = logging.getLogger("latchkey")
 #: An idle connection older than this is checked before it is used again (seconds).
 CHECK_AFTER = 0.001
 ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
@@ -290,7 +292,7 @@ class RedisDriver(Driver):
         if type(request) is Command:
             return self.pool.call(pack(request.words))
         if type(request) is Subscribe:
-            return self.subscribe(request.channel)
+            return passes_on(self.subscribe(request.channel), self, request)
         raise TypeError(f"not a Redis request: {request!r}")
 
     def call(self, packed: bytes) -> Any:
@@ -452,18 +454,20 @@ class Listener:
             woke, slot.woke = slot.woke, False
         return woke and self.error is None
 
-    def remove(self, channel: str, slot: Slot, pass_on: bool = False) -> None:
+    def remove(self, channel: str, slot: Slot, pass_on: bool = False) -> bool:
         """``slot``'s waiter leaves; ``pass_on``: it was woken and did not get the lease, so
-        the next waiter is woken in its place."""
+        the next waiter is woken in its place. True if ``pass_on`` found no waiter here to
+        wake (the store's turn must pass on: see PushWaiter.close)."""
         with self.cond:
             slots = self.channels.get(channel)
             if slots is None:
-                return
+                return pass_on
             slots.pop(slot, None)
             if pass_on and _wake_first(slots):
                 self.cond.notify_all()
+                pass_on = False
             if slots or self.error is not None or self.closed:
-                return
+                return pass_on
             del self.channels[channel]
             del self.subscribed_at[channel]
             self.sent += 1
@@ -471,10 +475,26 @@ class Listener:
                 self.conn.send_command(self.UNSUBSCRIBE, channel, check_health=False)
             except ERRORS as exc:
                 self.error = exc
+            return pass_on
 
     def close(self) -> None:
         self.closed = True
         self.conn.disconnect()
+
+
+def passes_on(waiter: Any, driver: Any, request: Subscribe) -> Any:
+    """``waiter``, set to send ``request.passing`` through ``driver`` if it must pass its
+    process's turn on (:meth:`PushWaiter.close`); errors are dropped (logged)."""
+    if request.passing is not None:
+        waiter.passing = functools.partial(_send_quietly, driver, request.passing)
+    return waiter
+
+
+def _send_quietly(driver: Any, request: Any) -> None:
+    try:
+        driver.answer(request)
+    except Exception as exc:  # (a driver error or StoreUnavailable): the wait's outcome stands
+        log.info("passing a turn on failed: %s", exc)
 
 
 def _wake_first(slots: dict[Slot, None]) -> bool:
@@ -494,6 +514,8 @@ class PushWaiter(Waiter):
         self._channel = channel
         self._slot = slot
         self._granted = False
+        #: Sends the store's PASS (set by the driver for a mutex waiter): see :meth:`close`.
+        self.passing: Callable[[], object] | None = None
 
     def wait(self, timeout: float) -> bool:
         return self._listener.wait(self._slot, timeout)
@@ -510,5 +532,9 @@ class PushWaiter(Waiter):
         self._granted = type(result) is Grant
 
     def close(self) -> None:
+        """Leave; woken and leaving without the lease, wake the next waiter of this process,
+        or, with none left here, pass the process's turn on in the store (one round trip,
+        only then; its failure is not the caller's: the others' polls find the name)."""
         pass_on = self._slot.rung and not self._granted
-        self._listener.remove(self._channel, self._slot, pass_on)
+        if self._listener.remove(self._channel, self._slot, pass_on) and self.passing:
+            self.passing()

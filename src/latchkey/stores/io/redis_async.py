@@ -28,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
@@ -62,6 +63,7 @@ if sys.version_info >= (3, 11):
 else:  # redis-py itself depends on async-timeout before Python 3.11.3
     from async_timeout import timeout as _deadline  # type: ignore[import-not-found,unused-ignore]
 
+log = logging.getLogger("latchkey")
 #: Commands in flight at once per backend (each on a connection of its own).
 POOL_SIZE = 32
 _monotonic = time.monotonic
@@ -140,7 +142,7 @@ class AsyncRedisDriver(AsyncDriver):
     async def answer(self, request: Any) -> Any:
         kind = type(request)
         if kind is Subscribe:
-            return await self.subscribe(request.channel)
+            return passes_on(await self.subscribe(request.channel), self, request)
         async with _deadline(self.timeout):
             if kind is tuple:  # a Script
                 packed = pack_script(request)
@@ -328,21 +330,23 @@ class Listener:
             raise
         return event
 
-    async def remove(self, channel: str, event: Bell, pass_on: bool = False) -> None:
+    async def remove(self, channel: str, event: Bell, pass_on: bool = False) -> bool:
         """``event``'s waiter leaves; ``pass_on``: it was woken and did not get the lease, so
-        the next waiter is woken in its place."""
+        the next waiter is woken in its place. True if ``pass_on`` found no waiter here to
+        wake (the store's turn must pass on: see PushWaiter.close)."""
         events = self.channels.get(channel)
         if events is None:
-            return
+            return pass_on
         events.pop(event, None)
-        if pass_on:
-            _wake_first(events)
+        if pass_on and _wake_first(events):
+            pass_on = False
         if events or self.error is not None:
-            return
+            return pass_on
         del self.channels[channel]
         self.subscribed.pop(channel, None)
         with contextlib.suppress(*ERRORS):  # the listener failed (see _send): the next
             await self._send(self.UNSUBSCRIBE, channel, None)  # subscribe opens a new one
+        return pass_on
 
     async def close(self) -> None:
         self._fail(ConnectionError("the backend was closed"))
@@ -357,13 +361,29 @@ class Bell(asyncio.Event):
     rung = False
 
 
-def _wake_first(events: dict[Bell, None]) -> None:
-    """Wake the first waiter not woken yet."""
+def _wake_first(events: dict[Bell, None]) -> bool:
+    """Wake the first waiter not woken yet; False if there is none."""
     for event in events:
         if not event.is_set():
             event.rung = True
             event.set()
-            return
+            return True
+    return False
+
+
+def passes_on(waiter: Any, driver: Any, request: Subscribe) -> Any:
+    """``waiter``, set to send ``request.passing`` through ``driver`` if it must pass its
+    process's turn on (:meth:`PushWaiter.close`); errors are dropped (logged)."""
+    if request.passing is not None:
+        waiter.passing = functools.partial(_send_quietly, driver, request.passing)
+    return waiter
+
+
+async def _send_quietly(driver: Any, request: Any) -> None:
+    try:
+        await driver.answer(request)
+    except Exception as exc:  # (a driver error or StoreUnavailable): the wait's outcome stands
+        log.info("passing a turn on failed: %s", exc)
 
 
 class PushWaiter(AsyncWaiter):
@@ -375,6 +395,8 @@ class PushWaiter(AsyncWaiter):
         self._channel = channel
         self._event = event
         self._granted = False
+        #: Sends the store's PASS (set by the driver for a mutex waiter): see :meth:`close`.
+        self.passing: Callable[[], Awaitable[object]] | None = None
 
     async def finish(self, result: Grant | Busy) -> None:
         self._granted = type(result) is Grant
@@ -401,5 +423,9 @@ class PushWaiter(AsyncWaiter):
         return listener.error is None
 
     async def close(self) -> None:
+        """Leave; woken and leaving without the lease, wake the next waiter of this process,
+        or, with none left here, pass the process's turn on in the store (see the sync
+        driver's)."""
         pass_on = self._event.rung and not self._granted
-        await self._listener.remove(self._channel, self._event, pass_on)
+        if await self._listener.remove(self._channel, self._event, pass_on) and self.passing:
+            await self.passing()

@@ -89,6 +89,7 @@ from latchkey.stores.io.redis import (
     RedisDriver,
     pack,
     pack_script,
+    passes_on,
     tls_settings,
 )
 from latchkey.stores.io.redis_options import uses_tls
@@ -338,7 +339,7 @@ class ClusterDriver(Driver):
         if kind is Masters:
             return [node.name for node in self.client.get_primaries()]
         if kind is Subscribe:
-            return self.subscribe(request.channel)
+            return passes_on(self.subscribe(request.channel), self, request)
         raise TypeError(f"not a Redis Cluster request: {request!r}")
 
     def script(self, request: Script) -> Any:

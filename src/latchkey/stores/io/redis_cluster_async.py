@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io.aio import AsyncDriver
-from latchkey.stores.io.redis_async import POOL_SIZE, Listener, PushWaiter
+from latchkey.stores.io.redis_async import POOL_SIZE, Listener, PushWaiter, passes_on
 from latchkey.stores.io.redis_cluster import ERRORS as SYNC_ERRORS
 from latchkey.stores.io.redis_cluster import (
     cluster_settings,
@@ -102,7 +102,7 @@ class AsyncClusterDriver(AsyncDriver):
     async def answer(self, request: Any) -> Any:
         kind = type(request)
         if kind is Subscribe:
-            return await self.subscribe(request.channel)
+            return passes_on(await self.subscribe(request.channel), self, request)
         async with self._turns, _deadline(self.timeout):
             if self.closed:
                 raise redis.ConnectionError("the store was closed")
