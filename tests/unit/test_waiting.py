@@ -340,6 +340,22 @@ def test_paced_is_never_the_answer_a_wait_ends_with_the_store_is_asked_once() ->
     assert clock.now >= 1.0
 
 
+def test_the_first_of_its_process_polls_as_the_first_whatever_its_place_in_the_listener() -> None:
+    """The others of its process wait for its attempts (PACED): were it to sleep as its
+    waiter's place says (that order can differ: Redis's line costs a round trip between the
+    two), nobody of the process would ask for up to CAP_BEHIND seconds."""
+    from latchkey._core.holds import Holds
+
+    clock, log = FakeClock(), []
+    holds = Holds()
+    store = FakeStore(clock, answers(Busy(1), Grant(7, None)), FakeWaiter(clock, log, ahead=40))
+    attempts = Attempts((*ARGS[:4], 1), clock, clock(), holds)
+    steps = wait_for(attempts, Busy(1), wait=None, limit=1, push=True, blocking=False,
+                     rng=random.Random(0))  # fmt: skip
+    assert drive(steps, store) == Grant(7, None)
+    assert len(log) == 1 and log[0] <= 0.005, log  # not the 20-40 s of 40 ahead
+
+
 def test_waiters_of_a_process_ask_in_the_order_they_came_unless_woken() -> None:
     from latchkey._core.holds import PACED, Holds
 
