@@ -438,6 +438,15 @@ def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend)
 TURN_MS, RESERVE_MS = 10, 500  # as in redis_lua_helpers.PROLOGUE
 
 
+@pytest.fixture
+def processes(redis_url: str) -> Iterator[list[RedisBackend]]:
+    """Three backends of one server, each with a line id of its own, as three processes."""
+    backends = [open_backend(redis_url) for _ in range(3)]
+    yield backends  # type: ignore[misc]
+    for b in backends:
+        b.close()
+
+
 def _in_line(backend: RedisBackend, name: str, owner: str) -> Any:
     """A mutex waiter of ``name`` in ``backend`` (its own line id: a process of its own), put
     in the name's line as the core does: subscribe, then an attempt that finds it busy."""
@@ -454,145 +463,127 @@ def _woken(backend: RedisBackend, name: str) -> tuple[str, int] | None:
     return line_id, int(ms)
 
 
-def test_a_release_wakes_the_first_waiting_process_only(redis_url: str) -> None:
+def test_a_release_wakes_the_first_waiting_process_only(processes: list[RedisBackend]) -> None:
     """Each backend here has its own line id, as a process has: with every waiting process
     woken by each release, 8 processes made ~8 attempts per grant."""
-    holder, *others = backends = [open_backend(redis_url) for _ in range(3)]
-    try:
-        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
-        first = _in_line(others[0], "n", "1" * 32)
-        second = _in_line(others[1], "n", "2" * 32)
-        info = holder.inspect("n")
-        assert info is not None and info.waiting_processes == 2
-        assert holder.release("n", "h" * 32)
-        assert first.wait(5) is True
-        assert second.wait(0.2) is False  # not woken: not its turn
-        assert isinstance(others[0].acquire("n", "1" * 32, INFO, 30), Grant)
-        first.close()
-        assert others[0].release("n", "1" * 32)
-        assert second.wait(5) is True
-        second.close()
-    finally:
-        for b in backends:
-            b.close()
+    holder, *others = processes
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    first = _in_line(others[0], "n", "1" * 32)
+    second = _in_line(others[1], "n", "2" * 32)
+    info = holder.inspect("n")
+    assert info is not None and info.waiting_processes == 2
+    assert holder.release("n", "h" * 32)
+    assert first.wait(5) is True
+    assert second.wait(0.2) is False  # not woken: not its turn
+    assert isinstance(others[0].acquire("n", "1" * 32, INFO, 30), Grant)
+    first.close()
+    assert others[0].release("n", "1" * 32)
+    assert second.wait(5) is True
+    second.close()
 
 
-def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(redis_url: str) -> None:
-    holder, waiting, third = backends = [open_backend(redis_url) for _ in range(3)]
-    try:
-        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
-        waiter = _in_line(waiting, "n", "w" * 32)
-        assert holder.release("n", "h" * 32)
-        assert waiter.wait(5) is True
-        rung = _woken(holder, "n")
-        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
-        eventually(lambda: _server_ms(holder) >= rung[1] + TURN_MS, what="the turn due")
-        for other, owner in ((third, "x" * 32), (holder, "h" * 32)):
-            busy = other.acquire("n", owner, INFO, 30)
-            assert isinstance(busy, Busy) and busy.holder is None and busy.holders == 1
-            assert busy.retry_after is not None and 0 < busy.retry_after <= RESERVE_MS / 1000
-        assert isinstance(waiting.acquire("n", "w" * 32, INFO, 30), Grant)
-        assert _woken(holder, "n") is None
-        waiter.close()
-    finally:
-        for b in backends:
-            b.close()
+def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(
+    processes: list[RedisBackend],
+) -> None:
+    holder, waiting, third = processes[:3]
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    waiter = _in_line(waiting, "n", "w" * 32)
+    assert holder.release("n", "h" * 32)
+    assert waiter.wait(5) is True
+    rung = _woken(holder, "n")
+    assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+    eventually(lambda: _server_ms(holder) >= rung[1] + TURN_MS, what="the turn due")
+    for other, owner in ((third, "x" * 32), (holder, "h" * 32)):
+        busy = other.acquire("n", owner, INFO, 30)
+        assert isinstance(busy, Busy) and busy.holder is None and busy.holders == 1
+        assert busy.retry_after is not None and 0 < busy.retry_after <= RESERVE_MS / 1000
+    assert isinstance(waiting.acquire("n", "w" * 32, INFO, 30), Grant)
+    assert _woken(holder, "n") is None
+    waiter.close()
 
 
 def test_a_woken_process_that_finds_the_name_taken_again_tries_when_its_turn_is_due(
-    redis_url: str,
+    processes: list[RedisBackend],
 ) -> None:
     """Within the turn's first 10 ms a holder may take the name again (a barge), and its next
     release within them rings nobody: the woken process is told to try again when its turn
     comes due, not when the barging holder's lease would end."""
-    holder, waiting = backends = [open_backend(redis_url) for _ in range(2)]
-    try:
+    holder, waiting = processes[:2]
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    waiter = _in_line(waiting, "n", "w" * 32)
+    line_id = waiting.store.line_id  # type: ignore[attr-defined]
+    now = _server_ms(holder)  # as a release just now would have left it:
+    holder.io.client.set(f"{holder.store.base('n')}:rung", f"{line_id}:{now}", px=510)
+    busy = waiting.acquire("n", "w" * 32, INFO, 30)
+    assert isinstance(busy, Busy) and busy.holder is not None  # the holder, as it is
+    assert busy.retry_after is not None and busy.retry_after <= TURN_MS / 1000
+    other = holder.acquire("n", "x" * 32, INFO, 30)  # not woken: the holder's lease end
+    assert isinstance(other, Busy) and other.retry_after is not None
+    assert other.retry_after > 20
+    waiter.close()
+
+
+def test_a_turn_ends_when_its_process_stops_listening_or_does_not_come(
+    processes: list[RedisBackend],
+) -> None:
+    holder, waiting, third = processes[:3]
+    for leaves in (True, False):
         assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
         waiter = _in_line(waiting, "n", "w" * 32)
-        line_id = waiting.store.line_id  # type: ignore[attr-defined]
-        now = _server_ms(holder)  # as a release just now would have left it:
-        holder.io.client.set(f"{holder.store.base('n')}:rung", f"{line_id}:{now}", px=510)
-        busy = waiting.acquire("n", "w" * 32, INFO, 30)
-        assert isinstance(busy, Busy) and busy.holder is not None  # the holder, as it is
-        assert busy.retry_after is not None and busy.retry_after <= TURN_MS / 1000
-        other = holder.acquire("n", "x" * 32, INFO, 30)  # not woken: the holder's lease end
-        assert isinstance(other, Busy) and other.retry_after is not None
-        assert other.retry_after > 20
-        waiter.close()
-    finally:
-        for b in backends:
-            b.close()
-
-
-def test_a_turn_ends_when_its_process_stops_listening_or_does_not_come(redis_url: str) -> None:
-    holder, waiting, third = backends = [open_backend(redis_url) for _ in range(3)]
-    try:
-        for leaves in (True, False):
-            assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
-            waiter = _in_line(waiting, "n", "w" * 32)
-            assert holder.release("n", "h" * 32) and waiter.wait(5)
-            rung = _woken(holder, "n")
-            assert rung is not None
-            if leaves:  # its waiter left: the turn is dropped as soon as it is due
-                waiter.close()
-                channel = waiting.store.waiters_channel("n")  # type: ignore[attr-defined]
-                eventually(
-                    lambda c=channel: holder.io.client.pubsub_numsub(c)[0][1] == 0,  # type: ignore[misc]
-                    what="unsubscribed",
-                )
-                eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
-                assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant)
-            else:  # it listens but never comes: the name is free for all after the reserve
-                eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
-                assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Busy)
-                granted = eventually(
-                    lambda: isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant),
-                    what="the reserve over",
-                )
-                assert granted and _server_ms(holder) >= rung[1] + TURN_MS + RESERVE_MS - 2
-                waiter.close()
-            assert third.release("n", "x" * 32)
-    finally:
-        for b in backends:
-            b.close()
-
-
-def test_a_release_skips_processes_that_left_the_line(redis_url: str) -> None:
-    holder, gone, waiting = backends = [open_backend(redis_url) for _ in range(3)]
-    try:
-        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
-        left = _in_line(gone, "n", "g" * 32)  # first in line, then it stops listening
-        waiter = _in_line(waiting, "n", "w" * 32)
-        left.close()
-        channel = gone.store.waiters_channel("n")  # type: ignore[attr-defined]
-        eventually(lambda: holder.io.client.pubsub_numsub(channel)[0][1] == 0, what="unsub")
-        assert holder.release("n", "h" * 32)
-        assert waiter.wait(5) is True
+        assert holder.release("n", "h" * 32) and waiter.wait(5)
         rung = _woken(holder, "n")
-        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
-        waiter.close()
-    finally:
-        for b in backends:
-            b.close()
+        assert rung is not None
+        if leaves:  # its waiter left: the turn is dropped as soon as it is due
+            waiter.close()
+            channel = waiting.store.waiters_channel("n")  # type: ignore[attr-defined]
+            eventually(
+                lambda c=channel: holder.io.client.pubsub_numsub(c)[0][1] == 0,  # type: ignore[misc]
+                what="unsubscribed",
+            )
+            eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
+            assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant)
+        else:  # it listens but never comes: the name is free for all after the reserve
+            eventually(lambda r=rung: _server_ms(holder) >= r[1] + TURN_MS, what="due")  # type: ignore[misc]
+            assert isinstance(third.acquire("n", "x" * 32, INFO, 30), Busy)
+            granted = eventually(
+                lambda: isinstance(third.acquire("n", "x" * 32, INFO, 30), Grant),
+                what="the reserve over",
+            )
+            assert granted and _server_ms(holder) >= rung[1] + TURN_MS + RESERVE_MS - 2
+            waiter.close()
+        assert third.release("n", "x" * 32)
 
 
-def test_a_woken_process_that_leaves_without_the_name_wakes_the_next(redis_url: str) -> None:
-    holder, leaving, waiting = backends = [open_backend(redis_url) for _ in range(3)]
-    try:
-        assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
-        first = _in_line(leaving, "n", "l" * 32)
-        second = _in_line(waiting, "n", "w" * 32)
-        assert holder.release("n", "h" * 32)
-        assert first.wait(5) is True  # its process's turn
-        assert second.wait(0.2) is False
-        first.close()  # its wait ends without the name, no other waiter of it: pass it on
-        assert second.wait(5) is True
-        rung = _woken(holder, "n")
-        assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
-        second.close()
-    finally:
-        for b in backends:
-            b.close()
+def test_a_release_skips_processes_that_left_the_line(processes: list[RedisBackend]) -> None:
+    holder, gone, waiting = processes[:3]
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    left = _in_line(gone, "n", "g" * 32)  # first in line, then it stops listening
+    waiter = _in_line(waiting, "n", "w" * 32)
+    left.close()
+    channel = gone.store.waiters_channel("n")  # type: ignore[attr-defined]
+    eventually(lambda: holder.io.client.pubsub_numsub(channel)[0][1] == 0, what="unsub")
+    assert holder.release("n", "h" * 32)
+    assert waiter.wait(5) is True
+    rung = _woken(holder, "n")
+    assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+    waiter.close()
+
+
+def test_a_woken_process_that_leaves_without_the_name_wakes_the_next(
+    processes: list[RedisBackend],
+) -> None:
+    holder, leaving, waiting = processes[:3]
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    first = _in_line(leaving, "n", "l" * 32)
+    second = _in_line(waiting, "n", "w" * 32)
+    assert holder.release("n", "h" * 32)
+    assert first.wait(5) is True  # its process's turn
+    assert second.wait(0.2) is False
+    first.close()  # its wait ends without the name, no other waiter of it: pass it on
+    assert second.wait(5) is True
+    rung = _woken(holder, "n")
+    assert rung is not None and rung[0] == waiting.store.line_id  # type: ignore[attr-defined]
+    second.close()
 
 
 def test_async_a_woken_process_that_leaves_without_the_name_wakes_the_next(
