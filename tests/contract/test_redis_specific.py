@@ -482,6 +482,28 @@ def test_a_release_wakes_the_first_waiting_process_only(processes: list[RedisBac
     second.close()
 
 
+def test_a_busy_attempt_at_a_name_found_busy_lately_joins_the_line_itself(
+    processes: list[RedisBackend],
+) -> None:
+    """The attempt of a process about to wait (the name was busy for it a moment ago) joins
+    the line in its own script, so its waiter subscribes without a JOIN round trip first (one
+    of five per contended acquisition), and a release still rings it."""
+    holder, other = processes[:2]
+    line = f"{holder.store.base('n')}:line"  # type: ignore[attr-defined]
+    assert isinstance(holder.acquire("n", "h" * 32, INFO, 30), Grant)
+    assert isinstance(other.acquire("n", "w" * 32, INFO, 30), Busy)
+    assert holder.io.client.zrange(line, 0, -1) == []  # a first try waits for nothing
+    assert isinstance(other.acquire("n", "w" * 32, INFO, 30), Busy)
+    assert holder.io.client.zrange(line, 0, -1) == [other.store.line_id]  # type: ignore[attr-defined]
+    steps = other.store.wait_in_line("n", "w" * 32, INFO, 30, 1)  # type: ignore[attr-defined]
+    assert type(next(steps)).__name__ == "Subscribe"  # no JOIN first
+    waiter = other.wait_in_line("n", "w" * 32, INFO, 30, 1)
+    assert holder.release("n", "h" * 32)
+    assert waiter.wait(5) is True
+    assert isinstance(other.acquire("n", "w" * 32, INFO, 30), Grant)
+    waiter.close()
+
+
 def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(
     processes: list[RedisBackend],
 ) -> None:

@@ -32,8 +32,10 @@ the default from Redis 7). Waiters are woken by ``PUBLISH`` from the release scr
 pub/sub connection per backend serves all its waiters. A release of a mutex wakes one waiting
 process, the first in the name's line, on its own channel (not every process that waits: with
 8 processes on one name that cost ~8 attempts per grant); the process whose waiters listen
-there joins the line before subscribing. INSPECT counts the waiting store objects: the
-subscribers of ``P{H}:lease``, and those in line or woken that listen on their channel.
+there joins the line before subscribing (in its busy attempt's own script when the name was
+busy for it a moment ago: one round trip fewer per contended acquisition). INSPECT counts
+the waiting store objects: the subscribers of ``P{H}:lease``, and those in line or woken that
+listen on their channel.
 
 Here: the key layout, the requests, the reply parsing and the primitives, I/O-free. The
 scripts are in :mod:`latchkey.stores.redis_lua`; the bytes move in
@@ -59,7 +61,7 @@ from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.redis_options import REDIS_OPTIONS, tls_misused, tls_scheme
-from latchkey.stores.primitives import AsyncStoreBackend, Store, StoreBackend
+from latchkey.stores.primitives import AsyncStoreBackend, BusyMemory, Store, StoreBackend
 from latchkey.stores.redis_lua import (
     ACQUIRE,
     CLAIM,
@@ -111,6 +113,11 @@ class Subscribe(NamedTuple):
 _PROCESS = [secrets.token_hex(4)]
 os.register_at_fork(after_in_child=lambda: _PROCESS.__setitem__(0, secrets.token_hex(4)))
 _NUMBERS = itertools.count()
+#: How long after a busy attempt joined a store object to a name's line its waiter may skip
+#: the JOIN before subscribing: the attempt and the subscription of one acquire follow each
+#: other at once. Should a release pop the store object in between (nobody listened yet), the
+#: core's attempt after subscribing joins it again (eager and busy), as it would after a JOIN.
+JOINED_FRESH = 0.1
 
 
 def _dt(ms: int | float | str) -> datetime:
@@ -198,6 +205,19 @@ class Redis(Store):
         _check_tls(self)
 
     @functools.cached_property
+    def busy_names(self) -> BusyMemory:
+        """Names a mutex attempt of this store object found busy lately: its next attempt at
+        one joins the line if busy (``+L``: it is most likely about to wait). Made on first
+        use: the Sentinel and Cluster stores have an ``__init__`` of their own."""
+        return BusyMemory()
+
+    @functools.cached_property
+    def joined(self) -> BusyMemory:
+        """Names such an attempt put this store object in line for a moment ago: the waiter
+        that follows skips its JOIN."""
+        return BusyMemory(seconds=JOINED_FRESH)
+
+    @functools.cached_property
     def _number(self) -> str:
         return f".{next(_NUMBERS)}"
 
@@ -254,10 +274,16 @@ class Redis(Store):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        args = (owner, owner_info, _ttl_ms(ttl), _PROCESS[0] + self._number)
+        line_id = _PROCESS[0] + self._number
+        eager = limit == 1 and self.busy_names.recent(name)
+        args = (owner, owner_info, _ttl_ms(ttl), "+" + line_id if eager else line_id)
         reply = yield (self.acquire_lua, (self.base(name),), args if limit == 1 else (*args, limit))
         if isinstance(reply, str):
             return _grant(reply)  # no limit above: the script's default, 1
+        if limit == 1:
+            self.busy_names.mark(name)
+            if eager:  # the script put this store object in the name's line
+                self.joined.mark(name)
         expires, now = int(reply[2]), int(reply[3])
         if len(reply) > 4:  # this process was woken: try again when its turn is due
             retry = max(0, int(reply[4]) - now) / 1000
@@ -338,7 +364,8 @@ class Redis(Store):
         if limit != 1 or not owner:
             return (yield Subscribe(f"{self.base(name)}:lease"))
         base, line_id = self.base(name), self.line_id
-        yield (JOIN, (base,), (line_id,))  # first: nothing to undo if it fails
+        if not self.joined.recent(name):  # (else a busy attempt joined it just now)
+            yield (JOIN, (base,), (line_id,))  # first: nothing to undo if it fails
         return (yield Subscribe(self.waiters_channel(name), (self.pass_lua, (base,), (line_id,))))
 
     def waiters_channel(self, name: str) -> str:

@@ -66,7 +66,9 @@ from latchkey.stores.redis_lua_helpers import HELPERS, LIBRARY, PROLOGUE, script
 
 # Take a slot of one name. An owner that already holds a live lease gets it back as it is.
 # KEYS: the name's base key.  ARGV: owner, owner_info, ttl ms, line id (or absent), limit
-#       (absent: 1).
+#       (absent: 1). A line id "+L" (a mutex attempt at a name found busy a moment ago: its
+#       process is about to wait) joins L to the line when busy, even before it subscribes,
+#       so the JOIN round trip before its SUBSCRIBE is skipped.
 # Returns the string "token:expires ms" ("token:expires ms:ms left" for the owner's own live
 #         lease), or, when `limit` live holders exist, the table
 #         {live count, soonest holder's "token:acquired:info", its expiry ms, now ms}, with a
@@ -81,7 +83,8 @@ from latchkey.stores.redis_lua_helpers import HELPERS, LIBRARY, PROLOGUE, script
 ACQUIRE = script(
     PROLOGUE
     + """
-local lease, rung = KEYS[1] .. ':lease', KEYS[1] .. ':rung'
+local lease, rung, lid, eager = KEYS[1] .. ':lease', KEYS[1] .. ':rung', ARGV[4], false
+if lid and string.byte(lid) == 43 then lid, eager = string.sub(lid, 2), true end  -- "+L"
 local n = not ARGV[5] and redis.call('EXISTS', lease, KEYS[1] .. ':leases', rung)
 local t = (n == 0 or n == 1) and redis.call('TIME')
 local now = t and tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -90,7 +93,7 @@ if n == 1 then  -- one key: free if it is `rung` and another's turn is not due y
   local r = redis.call('GET', rung)  -- caller's own turn is taken in `take`)
   if r then
     local sep = string.find(r, ':', 1, true)
-    free = string.sub(r, 1, sep - 1) ~= ARGV[4] and now - tonumber(string.sub(r, sep + 1)) < TURN_MS
+    free = string.sub(r, 1, sep - 1) ~= lid and now - tonumber(string.sub(r, sep + 1)) < TURN_MS
   end
 end
 if free then
@@ -104,7 +107,7 @@ end
     + HELPERS
     + """
 return take(KEYS[1], ARGV[1], ARGV[2], now_ms(), tonumber(ARGV[3]), tonumber(ARGV[5] or '1'),
-            ARGV[4])
+            lid, eager)
 """
 )
 

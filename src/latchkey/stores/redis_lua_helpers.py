@@ -194,7 +194,7 @@ local function ring(base)  -- the name was freed: wake the first waiting process
 end
 -- a grant is the string "token:expires ms", or "token:expires ms:ms left" for the owner's own
 -- live lease found again (as it is: not renewed); busy is a table (see ACQUIRE)
-local function take(base, owner, info, now, ttl, limit, lid)
+local function take(base, owner, info, now, ttl, limit, lid, eager)
   local holder, rec = mutex_holder(base)
   if holder == owner then
     local left = redis.call('PTTL', base .. ':lease')
@@ -202,7 +202,7 @@ local function take(base, owner, info, now, ttl, limit, lid)
   end
   if limit == 1 then
     if holder or live_members(base, now) > 0 then
-      join(base, lid, now)
+      if eager then enter(base, lid, now) else join(base, lid, now) end
       local out = busy(base, now)
       local due = turn_due(base, lid, now)
       if due and due < out[3] then out[5] = due end  -- try again then, not at the lease's end
@@ -210,7 +210,7 @@ local function take(base, owner, info, now, ttl, limit, lid)
     end
     local turn = turn_of(base, lid, now)
     if turn then  -- free, but a woken process's turn: busy for the others, without a holder
-      join(base, lid, now)
+      if eager then enter(base, lid, now) else join(base, lid, now) end
       return {1, '', now + turn, now, now + turn}
     end
     local token = next_token(base, now, ttl)
