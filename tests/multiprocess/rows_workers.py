@@ -1,7 +1,7 @@
-"""Row-claiming workers run in child processes (spawned): each takes or leases batches of
-the events table until none is due, recording each row's work in the done table in the same
-transaction as the row's update (take, and lease with complete) or before releasing its lease
-(lease)."""
+"""Row-claiming workers run in child processes (tests/multiprocess/conftest.py): each takes
+or leases batches of the events table until none is due, recording each row's work in the
+done table in the same transaction as the row's update (take, and lease with complete) or
+before releasing its lease (lease)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Functions run in child processes (spawned, so each imports latchkey afresh)."""
+"""Functions run in child processes (forked from a fork server that imported latchkey once:
+none of the test process's connections or state; see tests/multiprocess/conftest.py)."""
 
 from __future__ import annotations
 
