@@ -143,7 +143,23 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.outcome == "rerun":  # type: ignore[comparison-overlap]
         lines = [line for line in report.longreprtext.splitlines() if line.startswith("E ")]
         why = lines[0][1:].strip() if lines else report.longreprtext.strip()[-200:]
-        _RERUNS.append(f"{report.nodeid} ({report.when}): {why[:300]}")
+        _RERUNS.append(f"{report.nodeid} ({report.when}): {why[:300]}{_where(report)}")
+
+
+def _where(report: pytest.TestReport) -> str:
+    """Where the failure was raised: the deepest frames of latchkey's source (or else the
+    test's), so that a flake seen only in CI's summary can be looked into."""
+    chain = getattr(report.longrepr, "chain", None) or []
+    entries = []
+    for traceback, _crash, _description in chain:
+        entries.extend(getattr(traceback, "reprentries", []))
+    places = []
+    for entry in entries:
+        loc = getattr(entry, "reprfileloc", None)
+        if loc is not None:
+            places.append(f"{loc.path}:{loc.lineno}")
+    ours = [p for p in places if "latchkey/" in p and "/tests/" not in p] or places
+    return f" [at {', '.join(ours[-3:])}]" if ours else ""
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
