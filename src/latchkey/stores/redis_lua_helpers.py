@@ -133,8 +133,10 @@ local function enter(base, lid, now)  -- the process joins the name's line, or k
   redis.call('ZADD', base .. ':line', 'NX', now, lid)
   redis.call('PEXPIRE', base .. ':line', LINE_KEEP_MS)
 end
-local function join(base, lid, now)  -- enter, if it waits (listens on its channel)
-  if lid and lid ~= '' and subscribed(base .. ':lease:' .. lid) then enter(base, lid, now) end
+local function join(base, lid, now, eager)  -- enter, if it waits (listens on its channel)
+  if lid and lid ~= '' and (eager or subscribed(base .. ':lease:' .. lid)) then  -- or is
+    enter(base, lid, now)  -- about to (eager: "+L", see ACQUIRE)
+  end
 end
 local function turn_of(base, lid, now)  -- nil: free for the caller; else ms of another's turn
   local r = redis.call('GET', base .. ':rung')
@@ -202,7 +204,7 @@ local function take(base, owner, info, now, ttl, limit, lid, eager)
   end
   if limit == 1 then
     if holder or live_members(base, now) > 0 then
-      if eager then enter(base, lid, now) else join(base, lid, now) end
+      join(base, lid, now, eager)
       local out = busy(base, now)
       local due = turn_due(base, lid, now)
       if due and due < out[3] then out[5] = due end  -- try again then, not at the lease's end
@@ -210,7 +212,7 @@ local function take(base, owner, info, now, ttl, limit, lid, eager)
     end
     local turn = turn_of(base, lid, now)
     if turn then  -- free, but a woken process's turn: busy for the others, without a holder
-      if eager then enter(base, lid, now) else join(base, lid, now) end
+      join(base, lid, now, eager)
       return {1, '', now + turn, now, now + turn}
     end
     local token = next_token(base, now, ttl)
