@@ -10,10 +10,12 @@ For each store (its own disposable server, tests/servers; SQLite in a temporary 
    pairs, on an empty store;
 2. the store is seeded straight through its own driver with ``live`` live leases (expiring in
    an hour) and ``expired`` expired ones (SQL stores and MongoDB: rows/documents in latchkey's
-   own format; Redis: ``live`` mutex leases, and expired entries in semaphore zsets that one
-   live holder each keeps alive — the only expired leases Redis keeps, since everything else
-   expires by itself — and each such zset's member in the expiry index, ``latchkey:expiring``,
-   as latchkey's scripts keep it: an older tree, which has no index, ignores that key);
+   own format — MongoDB's TTL monitor, which would delete the expired documents by itself
+   within a minute, is switched off for the run; Redis: ``live`` mutex leases, and expired
+   entries in semaphore zsets that one live holder each keeps alive — the only expired
+   leases Redis keeps, since everything else expires by itself — and each such zset's
+   member in the expiry index, ``latchkey:expiring``, as latchkey's scripts keep it: an
+   older tree, which has no index, ignores that key);
 3. **full**: the same acquire+release median beside them;
 4. **purge**: ``store.purge_expired()`` is timed while a second process loops acquire+release
    of its own names and records each pair's latency: the purge's duration and rate, and the
@@ -161,6 +163,7 @@ def seed_mongodb(url: str, live: int, expired: int) -> None:
     import pymongo
 
     client = pymongo.MongoClient(url)
+    ttl_monitor(client, False)  # on, the server deletes the expired seed within a minute
     coll = client.get_default_database()["latchkey_locks"]
     now = dt.datetime.now(dt.timezone.utc)
     hour = dt.timedelta(hours=1)
@@ -175,6 +178,12 @@ def seed_mongodb(url: str, live: int, expired: int) -> None:
             })  # fmt: skip
         coll.insert_many(docs, ordered=False)
     client.close()
+
+
+def ttl_monitor(client: Any, enabled: bool) -> None:
+    """MongoDB's TTL monitor (it deletes documents whose ``gc`` passed, once a minute) on or
+    off, so that the purge measured is latchkey's own."""
+    client.admin.command("setParameter", 1, ttlMonitorEnabled=enabled)
 
 
 # -- the prober ---------------------------------------------------------------------------------
@@ -228,7 +237,11 @@ def measure(name: str, url: str, live: int, expired: int, pairs: int) -> dict[st
     marks.get(timeout=60)
     time.sleep(2.0)  # the prober's baseline, before the purge
     purge_start = time.time()
-    purged = store.purge_expired()
+    try:
+        purged = store.purge_expired()
+    except BaseException:
+        stop.set()  # else the prober runs on, and this process waits for it at exit
+        raise
     purge_end = time.time()
     time.sleep(0.5)
     stop.set()
@@ -251,6 +264,11 @@ def measure(name: str, url: str, live: int, expired: int, pairs: int) -> dict[st
     result["purge_again_count"] = store.purge_expired()
     result["purge_again_s"] = time.monotonic() - started
     store.close()
+    if name == "mongodb":
+        import pymongo
+
+        with pymongo.MongoClient(url) as client:
+            ttl_monitor(client, True)
     return result
 
 
