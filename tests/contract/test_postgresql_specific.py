@@ -34,6 +34,7 @@ from latchkey.stores import open_async_backend, open_backend
 from latchkey.stores.io.psycopg import Link, positional
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
 from latchkey.stores.postgresql import AsyncPostgreSQLBackend, PostgreSQLBackend
+from latchkey.stores.postgresql_line import TURN_MS
 from latchkey.stores.postgresql_tables import SCHEMA_VERSION
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
@@ -531,8 +532,25 @@ def _queued(sql: psycopg.Connection[tuple[object, ...]], table: str) -> int:
     return int(row[0]) if row else 0
 
 
-def test_release_hands_the_lease_to_the_oldest_waiter_with_a_new_token(
-    trio: list[PostgreSQLBackend],
+def _taken(sql: psycopg.Connection[tuple[object, ...]], table: str, ago: str) -> None:
+    """Move the start of lease ``n`` to ``ago`` before the server's clock: ``'1 hour'``, a
+    lease held for long (its release hands over); ``'-1 hour'``, one taken just now (its
+    release rings), whatever this machine's pace between statements."""
+    sql.execute(f'UPDATE "{table}" SET acquired_at = clock_timestamp() - %s::interval '
+                "WHERE name = 'n'", (ago,))  # fmt: skip
+
+
+def _turn_due(sql: psycopg.Connection[tuple[object, ...]], table: str, owner: str) -> bool:
+    """Whether ``owner``'s queue row was rung at least a turn ago by the server's clock."""
+    row = sql.execute(
+        f"SELECT rung_at <= clock_timestamp() - interval '{TURN_MS} milliseconds' "
+        f'FROM "{table}_waiters" WHERE owner = %s', (owner,)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def test_release_of_a_lease_held_long_hands_it_to_the_oldest_waiter_with_a_new_token(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:
     a, b, c = trio
     first, second, third = _owner(), _owner(), _owner()
@@ -540,6 +558,7 @@ def test_release_hands_the_lease_to_the_oldest_waiter_with_a_new_token(
     assert isinstance(granted, Grant) and granted.token is not None
     wb = b.wait_in_line("n", second, '{"host":"b","pid":2}', 30, 1)
     wc = c.wait_in_line("n", third, '{"host":"c","pid":3}', 30, 1)
+    _taken(sql, table, "1 hour")
     assert a.release("n", first)
     assert wb.wait(5)
     handed = wb.take_grant()
@@ -548,12 +567,106 @@ def test_release_hands_the_lease_to_the_oldest_waiter_with_a_new_token(
     info = a.inspect("n")
     assert info is not None and info.token == handed.token and info.owner.host == "b"
     wb.close()
+    _taken(sql, table, "1 hour")
     assert b.release("n", second)  # …and on to c, the next in line
     assert wc.wait(5)
     last = wc.take_grant()
     assert last is not None and last.token is not None and last.token > handed.token
     wc.close()
     assert c.release("n", third) and a.inspect("n") is None
+
+
+def test_release_of_a_lease_just_taken_rings_the_first_waiter_which_gets_its_turn(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    """The line's turns (docs/stores/postgresql.md, "Waiting"): the release of a lease taken
+    less than a turn ago frees the name and rings the first waiter only; for a turn anyone
+    may take the free name (here the holder again, as a looping holder does); the first
+    release after the turn hands the lease to the rung waiter, with a new token; a rung
+    waiter's own attempt that takes the name takes its queue row with it."""
+    a, b, c = trio
+    first, second, third = _owner(), _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", second, '{"host":"b","pid":2}', 30, 1)
+    wc = c.wait_in_line("n", third, '{"host":"c","pid":3}', 30, 1)
+    _taken(sql, table, "-1 hour")
+    assert a.release("n", first)
+    assert wb.wait(5) and wb.take_grant() is None  # rung: its turn to try, nothing handed
+    assert a.inspect("n") is None  # the name is free…
+    again = a.acquire("n", first, INFO, 30)  # …and the holder may take it again at once
+    assert isinstance(again, Grant) and again.token is not None
+    assert not wc.wait(0.2)  # only the first in line was rung
+    eventually(lambda: _turn_due(sql, table, second), what="b's turn is due")
+    _taken(sql, table, "-1 hour")  # (a lease just taken: the turn alone decides)
+    assert a.release("n", first)
+    assert wb.wait(5)
+    handed = wb.take_grant()
+    assert handed is not None and handed.token is not None and handed.token > again.token
+    info = a.inspect("n")
+    assert info is not None and info.token == handed.token and info.owner.host == "b"
+    assert _queued(sql, table) == 1  # b left the queue with the hand-over
+    wb.close()
+    _taken(sql, table, "-1 hour")
+    assert b.release("n", second)  # rings c, the next in line
+    assert wc.wait(5) and wc.take_grant() is None
+    mine = c.acquire("n", third, '{"host":"c","pid":3}', 30)
+    assert isinstance(mine, Grant) and mine.token is not None and mine.token > handed.token
+    assert _queued(sql, table) == 0  # the attempt that took it left the queue
+    wc.finish(mine)
+    wc.close()
+    assert c.release("n", third) and a.inspect("n") is None
+
+
+def test_a_rung_waiter_is_not_rung_again_within_its_turn(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    """Within a turn, releases wake nobody and hand nothing over: the rung waiter is already
+    trying, and a holder looping on the name costs the waiters nothing."""
+    a, b, _ = trio
+    first, second = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", second, INFO, 30, 1)
+    _taken(sql, table, "-1 hour")
+    assert a.release("n", first)
+    assert wb.wait(5) and wb.take_grant() is None
+    # Hold the turn open (its start moved an hour ahead: the server's clock stays within it),
+    # whatever this machine's pace between the statements below.
+    sql.execute(f'UPDATE "{table}_waiters" SET rung_at = clock_timestamp() + interval '
+                "'1 hour' WHERE owner = %s", (second,))  # fmt: skip
+    for _ in range(3):  # a holder looping on the name within the turn
+        assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+        _taken(sql, table, "-1 hour")
+        assert a.release("n", first)
+        assert a.inspect("n") is None  # freed each time, never handed over…
+    assert not wb.wait(0.2)  # …and the rung waiter was not woken again
+    assert _queued(sql, table) == 1
+    wb.close()
+
+
+def test_waiters_made_before_turns_get_their_column_on_first_use(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    """Tables made by a latchkey before turns have no ``rung_at``: the first statement that
+    needs it adds it (the store's create, as for missing tables), and the line works."""
+    a, b, _ = trio
+    a.init()
+    sql.execute(f'ALTER TABLE "{table}_waiters" DROP COLUMN rung_at')
+    first, second = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", second, INFO, 30, 1)
+    _taken(sql, table, "-1 hour")
+    assert a.release("n", first)  # needs rung_at: added, then run again
+    assert wb.wait(5) and wb.take_grant() is None
+    mine = b.acquire("n", second, INFO, 30)
+    assert isinstance(mine, Grant)
+    wb.finish(mine)
+    wb.close()
+    assert _queued(sql, table) == 0 and b.release("n", second)
+    columns = sql.execute(
+        "SELECT count(*) FROM information_schema.columns WHERE table_name = %s "
+        "AND column_name = 'rung_at'", (f"{table}_waiters",)
+    ).fetchone()
+    assert columns == (1,)
 
 
 def test_a_queued_waiter_knows_how_many_of_its_process_are_served_before_it(
@@ -603,6 +716,7 @@ def test_a_waiter_whose_process_is_gone_is_passed_over(
     # The server frees the key when the listener's session has ended, just after the close.
     eventually(lambda: _key_free(sql, key), what="the gone process's listener key freed")
     assert _queued(sql, table) == 2  # b's row is still there…
+    _taken(sql, table, "1 hour")
     assert a.release("n", first)
     assert wc.wait(5) and wc.take_grant() is not None  # …but the lease went to c
     info = a.inspect("n")
@@ -613,16 +727,18 @@ def test_a_waiter_whose_process_is_gone_is_passed_over(
 
 
 def test_a_lease_handed_to_a_waiter_that_gave_up_goes_to_the_next(
-    trio: list[PostgreSQLBackend],
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:
     a, b, c = trio
     first, quitter, patient = _owner(), _owner(), _owner()
     assert isinstance(a.acquire("n", first, INFO, 30), Grant)
     wb = b.wait_in_line("n", quitter, INFO, 30, 1)
     wc = c.wait_in_line("n", patient, '{"host":"c","pid":3}', 30, 1)
+    _taken(sql, table, "1 hour")
     assert a.release("n", first)
     assert wb.wait(5)  # handed over just as b's wait timed out: the core never takes it
     wb.finish(Busy(1))
+    _taken(sql, table, "1 hour")
     wb.close()  # b releases it, which hands it on to c
     assert wc.wait(5) and wc.take_grant() is not None
     info = a.inspect("n")
@@ -648,12 +764,13 @@ def test_a_waiter_that_acquired_by_retrying_leaves_the_queue(
 
 
 def test_an_attempt_that_finds_the_lease_handed_to_it_is_a_grant_with_what_is_left(
-    trio: list[PostgreSQLBackend],
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
 ) -> None:
     a, b, _ = trio
     first, second = _owner(), _owner()
     assert isinstance(a.acquire("n", first, INFO, 30), Grant)
     wb = b.wait_in_line("n", second, INFO, 20, 1)
+    _taken(sql, table, "1 hour")
     assert a.release("n", first)  # handed to b while b was not looking
     mine = b.acquire("n", second, INFO, 20)
     assert isinstance(mine, Grant) and mine.remaining is not None and 0 < mine.remaining <= 20
@@ -738,6 +855,7 @@ def test_a_queue_row_left_by_an_outage_gives_back_what_it_is_handed(
     wb.close()  # …and could not leave the queue
     monkeypatch.undo()
     assert _queued(sql, table) == 1
+    _taken(sql, table, "1 hour")
     assert a.release("n", first)  # hands the lease to b's stale row: nobody waits for it
     eventually(lambda: a.inspect("n") is None, timeout=5,
                what="b's listener gave the orphaned lease back")  # fmt: skip

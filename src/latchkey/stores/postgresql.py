@@ -12,14 +12,9 @@ mutex, in arrival order, each with its process's listener key (below).
 Every primitive is one statement in autocommit mode (one round trip, one commit); the
 uncontended acquire and release go through libpq's prepared-statement call (``Prepared``).
 
-Waiting is a queue with hand-off. A blocked mutex acquire queues its owner and ``LISTEN``s on
-one extra connection per backend (the driver's listener), which holds a session advisory lock
-on a random 64-bit *listener key* while it lives. Release, in its one statement, gives the
-lease to the oldest waiter whose key is still held (its process is alive), with a new fencing
-token and its own TTL, committed durably, and notifies that waiter's ticket: its acquire
-returns without another round trip. With no live waiter, release deletes the lease
-(committed asynchronously) and notifies every waiter of the name, which retry. Waiters also
-retry on their own (capped backoff): a lost notice or listener only slows them down.
+Waiting is a line with turns (:mod:`latchkey.stores.postgresql_line` has its rules and
+statements): a release frees the name and rings the first live waiter; after a turn of 10 ms
+that the waiter did not win, the next release hands it the lease.
 
 The tables' DDL and schema version: :mod:`latchkey.stores.postgresql_tables`. The I/O
 (connections, the libpq fast path, the listener): :mod:`latchkey.stores.io.psycopg`.
@@ -27,7 +22,6 @@ The tables' DDL and schema version: :mod:`latchkey.stores.postgresql_tables`. Th
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -40,20 +34,20 @@ from latchkey.stores.io import Steps
 from latchkey.stores.io.psycopg import (
     CONNECTION_OPTIONS,
     LIBPQ,
-    Listen,
     Prepared,
     int8,
     timestamptz,
     utc,
 )
+from latchkey.stores.postgresql_line import MUTEX_FORMATS, Line
 from latchkey.stores.postgresql_rows import RowLeases
 from latchkey.stores.postgresql_tables import COLUMNS, TAKE_OVER, Tables, table_name
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import POSTGRESQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
 
-#: The parameter formats of the two Prepared statements: the name in binary, the rest text.
-MUTEX_FORMATS, RELEASE_FORMATS = (1, 0, 0, 0), (1, 0)
+#: The parameter formats of the release's Prepared statement: the name in binary, the owner text.
+RELEASE_FORMATS = (1, 0)
 
 
 def mutex_busy(row: Sequence[Any] | None) -> Grant | Busy:
@@ -80,7 +74,7 @@ def slot_answer(row: Sequence[Any]) -> Grant | Busy:
     return Busy(holders=live, holder=soonest, retry_after=max(0.0, left))
 
 
-class PostgreSQL(RowLeases, RowClaims, Tables, LeaseTable):
+class PostgreSQL(Line, RowLeases, RowClaims, Tables, LeaseTable):
     """The lease table in PostgreSQL. Statements: ``{t}`` is the table's name (validated: an
     identifier, so quoting is enclosing it in quotes), ``{s}`` the quoted schema and a dot, or
     nothing; ``$n`` are parameters; names are always bytea parameters (their UTF-8 bytes)."""
@@ -133,51 +127,6 @@ SELECT taken.token, taken.expires_at, (SELECT count(*) FROM live),
        mine.token, mine.expires_at, extract(epoch FROM mine.expires_at - now())::float8
 FROM (SELECT 1) AS one LEFT JOIN taken ON true LEFT JOIN mine ON true
 LEFT JOIN LATERAL (SELECT * FROM live ORDER BY expires_at LIMIT 1) AS soonest ON true"""
-    # In: name, owner. Ends owner's lease on ``name`` (live or expired). If it is a mutex and a
-    # waiter is queued whose process is alive (its listener holds its key: our try-lock fails),
-    # the row goes to the oldest such waiter — new owner, fencing token, times — who leaves the
-    # queue; the notice says ``<name hex>:<ticket>:<token>:<expires µs>``. Otherwise the row is
-    # deleted and the notice is the name's hex: every waiter retries. Queue rows their waiter is
-    # removing right now are skipped. Out: (our lease was live, it was handed over); no row if
-    # we had none. A plain release commits asynchronously (synchronous_commit off for this
-    # transaction): lost in a crash, the lease expires by its TTL — a delay, never a second
-    # holder. A hand-over is a grant: it commits durably, like acquire.
-    RELEASE = """WITH gone AS (
-    SELECT name, slot, expires_at > now() AS live FROM {s}"{t}"
-    WHERE name = $1 AND owner = $2 FOR UPDATE
-), heir AS (
-    SELECT w.owner, w.owner_info, w.ttl, w.ticket FROM {s}"{t}_waiters" AS w JOIN gone USING (name)
-    WHERE w.name = $1 AND gone.slot = 0 AND w.owner <> $2 AND w.expires_at > now()
-      AND NOT pg_try_advisory_xact_lock(w.listener_key)
-    ORDER BY w.queued_at, w.ticket LIMIT 1 FOR UPDATE OF w SKIP LOCKED
-), dequeued AS (
-    DELETE FROM {s}"{t}_waiters" AS w USING heir WHERE w.name = $1 AND w.owner = heir.owner
-), handed AS (
-    UPDATE {s}"{t}" AS l SET owner = heir.owner, owner_info = heir.owner_info,
-        token = nextval('{s}"{t}_fence"'), acquired_at = now(),
-        expires_at = now() + heir.ttl * interval '1 second'
-    FROM heir WHERE l.name = $1 AND l.slot = 0 AND l.owner = $2
-    RETURNING heir.ticket, l.token, l.expires_at
-), deleted AS (
-    DELETE FROM {s}"{t}" AS l WHERE l.name = $1 AND l.owner = $2 AND NOT EXISTS (TABLE heir))
-SELECT gone.live, handed.token IS NOT NULL,
-       set_config('synchronous_commit', CASE WHEN handed.token IS NULL THEN 'off'
-                  ELSE current_setting('synchronous_commit') END, true),
-       pg_notify('{t}', encode(gone.name, 'hex') || coalesce(
-           ':' || handed.ticket || ':' || handed.token || ':'
-               || (extract(epoch FROM handed.expires_at) * 1000000)::bigint, ''))
-FROM gone LEFT JOIN handed ON true"""
-    # In: name, owner, owner_info, ttl, ticket, listener_key. Queues a blocked mutex acquire
-    # (again: the same owner keeps its place, with the new key). The backstop expiry only
-    # bounds a row nobody removed; a dead process's rows are skipped by their key.
-    ENQUEUE = """INSERT INTO {s}"{t}_waiters"
-    (name, owner, owner_info, ttl, ticket, listener_key, queued_at, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp(), now() + interval '1 hour')
-ON CONFLICT (name, owner) DO UPDATE SET ticket = excluded.ticket,
-    listener_key = excluded.listener_key, expires_at = excluded.expires_at"""
-    # In: name, owner. Leaves the queue. Out: a row if we were still in it (none: a release
-    # handed us the lease, or the row is gone with a crash or a purge).
-    DEQUEUE = """DELETE FROM {s}"{t}_waiters" WHERE name = $1 AND owner = $2 RETURNING 1"""
     # In: name, owner, ttl. Moves the expiry of owner's *live* lease; the token stays.
     # Out: (token, expires_at), or no row if the lease is not live.
     EXTEND = """UPDATE {s}"{t}" SET expires_at = now() + $3::float8 * interval '1 second'
@@ -263,8 +212,8 @@ SELECT EXISTS (SELECT 1 FROM gone)
             if key.isupper():
                 setattr(self, key, value.replace("{s}", schema))
         self.acquire_pq, self.release_pq = self.ACQUIRE_MUTEX.encode(), self.RELEASE.encode()
-        #: Tickets of queue rows a waiter could not remove (an outage): ticket -> (name, owner).
-        self.orphans: dict[int, tuple[str, str]] = {}
+        self.acquire_queued_pq = self.ACQUIRE_QUEUED.encode()
+        self.in_line, self.orphans = {}, {}
 
     def time(self, value: Any) -> datetime:
         return utc(value)
@@ -284,8 +233,16 @@ SELECT EXISTS (SELECT 1 FROM gone)
             rows, _ = yield Query(self.ACQUIRE_SLOT, (key, owner, owner_info, float(ttl), limit))
             return slot_answer(rows[0])
         values = (key, owner.encode(), owner_info.encode(), repr(float(ttl)).encode())
-        result = yield Prepared(b"latchkey_acquire_mutex", self.acquire_pq, values, MUTEX_FORMATS)
+        waiter = self.in_line.get((name, owner)) if self.in_line else None
+        if waiter is None:
+            result = yield Prepared(
+                b"latchkey_acquire_mutex", self.acquire_pq, values, MUTEX_FORMATS
+            )
+        else:  # a queued waiter's attempt: taking the name takes it out of the queue
+            result = yield self.queued_attempt(values)
         if result.ntuples:
+            if waiter is not None:
+                waiter.left_line = True
             return Grant(int8(result.get_value(0, 0)), timestamptz(result.get_value(0, 1)))
         rows, _ = yield Query(self.HOLDER, (key, owner))
         return mutex_busy(rows[0] if rows else None)
@@ -318,46 +275,6 @@ SELECT EXISTS (SELECT 1 FROM gone)
     def record_delete(self, name: str, version: int) -> Steps[bool]:
         rows, _ = yield Query(self.RECORD_DELETE, (name.encode(), version))
         return bool(rows[0][0])
-
-    def wait_in_line(
-        self, name: str, owner: str, owner_info: str, ttl: float, limit: int
-    ) -> Steps[Any]:
-        """Listen for releases of ``name``; for a mutex, queue ``owner`` too (hand-over)."""
-        key = name.encode()
-        if limit != 1 or not owner:
-            return (yield Listen(key.hex(), None, name, owner))
-        ticket = secrets.randbits(63)
-        waiter = yield Listen(key.hex(), ticket, name, owner)
-        try:
-            yield Query(self.ENQUEUE, (key, owner, owner_info, float(ttl), ticket,
-                                       waiter.listener_key))  # fmt: skip
-        except BaseException:
-            waiter.unsubscribe()
-            raise
-        return waiter
-
-    def leave_queue(self, name: str, owner: str, waiter: Any) -> Steps[None]:
-        """The end of a wait (the waiter's close): leave the queue. If the wait ended without
-        the lease (it timed out, or raised) but a release handed it over meanwhile, release
-        it: that hands it to the next waiter. A lease the core returned is never touched."""
-        if waiter.handed_over:
-            return  # the release that handed it over also took us out of the queue
-        try:
-            rows, _ = yield Query(self.DEQUEUE, (name.encode(), owner))
-            if not rows and not waiter.acquired:  # handed over as we gave up: pass it on
-                yield from self.release(name, owner)
-        except Exception:
-            # The wait's outcome stands. Should a release hand our stale queue row a lease, the
-            # listener hears of a ticket nobody waits for, and unclaimed() releases that lease.
-            if waiter.ticket is not None:
-                self.orphans[waiter.ticket] = (name, owner)
-            raise
-
-    def unclaimed(self, ticket: int) -> Steps[None]:
-        """A release handed a lease to a queue row whose waiter has left (see leave_queue)."""
-        orphan = self.orphans.pop(ticket, None)
-        if orphan is not None:
-            yield from self.release(*orphan)
 
 
 class PostgreSQLBackend(StoreBackend):

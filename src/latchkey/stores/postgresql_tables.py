@@ -51,7 +51,10 @@ class Tables:
     # An index is made only if it is missing, never by CREATE INDEX IF NOT EXISTS: that takes
     # a SHARE lock on its table before it finds the index there, and two such locks taken
     # while another process's release holds the tables deadlock with it (a process that found
-    # the tables missing runs this after another has made them and started using them).
+    # the tables missing runs this after another has made them and started using them). The
+    # same for the column ``rung_at``, added to the waiters of tables made before it (version
+    # 1 still: older latchkeys ignore it): a release of this one that finds it missing runs
+    # this, which adds it.
     CREATE = f"""SELECT pg_advisory_xact_lock({DDL_LOCK_KEY});
 CREATE TABLE IF NOT EXISTS {{s}}"{{t}}" (name bytea NOT NULL, slot integer NOT NULL,
     owner text NOT NULL, owner_info text NOT NULL, token bigint NOT NULL,
@@ -63,12 +66,15 @@ CREATE TABLE IF NOT EXISTS {{s}}"{{t}}_meta" (key text PRIMARY KEY, value text N
 CREATE UNLOGGED TABLE IF NOT EXISTS {{s}}"{{t}}_waiters" (name bytea NOT NULL, owner text NOT NULL,
     owner_info text NOT NULL, ttl float8 NOT NULL, ticket bigint NOT NULL,
     listener_key bigint NOT NULL, queued_at timestamptz NOT NULL,
-    expires_at timestamptz NOT NULL, PRIMARY KEY (name, owner));
+    expires_at timestamptz NOT NULL, rung_at timestamptz, PRIMARY KEY (name, owner));
 DO $$ BEGIN
 IF to_regclass('{{s}}"{{t}}_expires"') IS NULL THEN
     CREATE INDEX "{{t}}_expires" ON {{s}}"{{t}}" (expires_at); END IF;
 IF to_regclass('{{s}}"{{t}}_waiters_line"') IS NULL THEN
     CREATE INDEX "{{t}}_waiters_line" ON {{s}}"{{t}}_waiters" (name, queued_at, ticket); END IF;
+IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('{{s}}"{{t}}_waiters"')
+               AND attname = 'rung_at' AND NOT attisdropped) THEN
+    ALTER TABLE {{s}}"{{t}}_waiters" ADD COLUMN rung_at timestamptz; END IF;
 END $$;
 INSERT INTO {{s}}"{{t}}_meta" VALUES ('schema_version', '{SCHEMA_VERSION}')
 ON CONFLICT DO NOTHING"""

@@ -72,8 +72,13 @@ TUPLES_OK = psycopg.pq.ExecStatus.TUPLES_OK
 COMMAND_OK = psycopg.pq.ExecStatus.COMMAND_OK
 SQLSTATE = psycopg.pq.DiagnosticField.SQLSTATE
 IDLE = psycopg.pq.TransactionStatus.IDLE
-#: What a statement raises when the store's tables (or schema) are not there yet.
-MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+#: What a statement raises when the store's tables (or schema) are not there yet, or a column
+#: added since they were made (the waiters' ``rung_at``): the store's ``create()`` adds it.
+MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedColumn,
+)
 #: How long past the server-side bound (statement_timeout = the store's timeout) a statement
 #: may take before latchkey gives up on it locally (the watchdog; asyncio: bounded()).
 MARGIN = 1.0
@@ -166,15 +171,24 @@ def utc(value: datetime) -> datetime:
     return value.astimezone(timezone.utc)
 
 
-def handoff_grant(text: str) -> tuple[int, Grant] | None:
-    """A hand-over notice's ``ticket:token:expires_us`` → (ticket, the grant); None if
-    malformed."""
+def read_notice(payload: str) -> tuple[str, int | None, Grant | None] | None:
+    """A notice's payload → (key, ticket, grant); None if malformed. ``key`` alone: every
+    waiter of the key tries again; ``key:ticket``: that ticket's waiter was rung (it tries);
+    ``key:ticket:token:expires_us``: a release handed that ticket's waiter the lease."""
+    key, _, rest = payload.partition(":")
+    if not rest:
+        return key, None, None
     try:
-        ticket, token, expires_us = (int(part) for part in text.split(":"))
+        parts = [int(part) for part in rest.split(":")]
     except ValueError:
         return None
+    if len(parts) == 1:
+        return key, parts[0], None
+    if len(parts) != 3:
+        return None
+    ticket, token, expires_us = parts
     expires = datetime.fromtimestamp(expires_us / 1e6, timezone.utc)
-    return ticket, Grant(token=token, expires_at=expires)
+    return key, ticket, Grant(token=token, expires_at=expires)
 
 
 def server_ended(pgconn: psycopg.pq.abc.PGconn) -> bool:
@@ -549,6 +563,25 @@ def queued_ahead(waiters: Any, mine: Any) -> int:
     return sum(1 for w in waiters if w.ticket is not None and w.seq < mine.seq)
 
 
+def wake(waiters: Sequence[Any], ticket: int | None, grant: Grant | None) -> int | None:
+    """Wake the waiters a notice is for (:func:`read_notice`): every one of its key, or only
+    the one holding ``ticket`` (handing it ``grant`` if any; every process hears every notice,
+    so a ticket not here is another's). Returns the ticket of a hand-over that nobody here
+    waits for although it was queued from here (the caller's ``unclaimed`` decides)."""
+    if ticket is None:
+        for waiter in waiters:
+            waiter.event.set()
+        return None
+    for waiter in waiters:
+        if waiter.ticket == ticket:
+            if grant is None:
+                waiter.event.set()  # rung: its turn to try
+            else:
+                waiter.deliver(grant)
+            return None
+    return None if grant is None else ticket
+
+
 class HandoffWaiter(EventWaiter):
     """A queued mutex waiter: woken by its name's notifications, and handed the lease by a
     release that names its ticket (see :class:`Listener`)."""
@@ -563,6 +596,7 @@ class HandoffWaiter(EventWaiter):
         self.listener_key = 0
         self.grant: Grant | None = None
         self.handed_over = False  # the core took the grant a release handed us
+        self.left_line = False  # an attempt of its owner took the name and left the queue
         self.acquired = False  # the wait ended with the lease ours (however it came)
         self._on_leave = on_close
 
@@ -695,22 +729,15 @@ class Listener:
                 os.close(stop_w)
 
     def _wake(self, payload: str) -> None:
-        key, _, handoff = payload.partition(":")
+        notice = read_notice(payload)
+        if notice is None:
+            return
+        key, ticket, grant = notice
         with self._lock:
             waiters = list(self._waiters.get(key, ()))
-        if handoff:
-            grant = handoff_grant(handoff)
-            if grant is None:
-                return
-            for waiter in waiters:
-                if waiter.ticket == grant[0]:
-                    waiter.deliver(grant[1])
-                    return  # the name is held again: nobody else needs to wake
-            if self._unclaimed is not None:
-                self._unclaimed(grant[0])
-            return
-        for waiter in waiters:
-            waiter.event.set()
+        woken = wake(waiters, ticket, grant)
+        if woken is not None and self._unclaimed is not None:
+            self._unclaimed(woken)
 
     def close(self) -> None:
         """Stop the thread and wait (a second at most) until it has closed its connection, so

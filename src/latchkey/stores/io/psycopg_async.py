@@ -55,14 +55,15 @@ from latchkey.stores.io.psycopg import (
     Prepared,
     connection_params,
     deallocated,
-    handoff_grant,
     input_waiting,
     kept_cursor,
     queue_order,
     queued_ahead,
+    read_notice,
     result_columns,
     result_error,
     user_error,
+    wake,
 )
 from latchkey.stores.rows_sql import Statement
 from latchkey.stores.sql import Query
@@ -324,6 +325,7 @@ class AsyncHandoffWaiter(AsyncWaiter):
         self.listener_key = 0
         self.grant: Grant | None = None
         self.handed_over = False  # the core took the grant a release handed us
+        self.left_line = False  # an attempt of its owner took the name and left the queue
         self.acquired = False  # the wait ended with the lease ours (however it came)
         self._on_close = on_close
 
@@ -441,21 +443,13 @@ class AsyncListener:
                 await conn.close()
 
     async def _wake(self, payload: str) -> None:
-        key, _, handoff = payload.partition(":")
-        waiters = list(self._waiters.get(key, ()))
-        if handoff:
-            grant = handoff_grant(handoff)
-            if grant is None:
-                return
-            for waiter in waiters:
-                if waiter.ticket == grant[0]:
-                    waiter.deliver(grant[1])
-                    return  # the name is held again: nobody else needs to wake
-            if self._unclaimed is not None:
-                await self._unclaimed(grant[0])
+        notice = read_notice(payload)
+        if notice is None:
             return
-        for waiter in waiters:
-            waiter.event.set()
+        key, ticket, grant = notice
+        woken = wake(list(self._waiters.get(key, ())), ticket, grant)
+        if woken is not None and self._unclaimed is not None:
+            await self._unclaimed(woken)
 
     async def close(self) -> None:
         """Stop the task and close its connection."""
