@@ -31,10 +31,10 @@ import latchkey
 from latchkey import ConfigError, StoreUnavailable
 from latchkey._types import Busy, Grant
 from latchkey.stores import open_async_backend, open_backend
-from latchkey.stores.io.psycopg import Link, positional
+from latchkey.stores.io.psycopg import Link, positional, queued_ahead
 from latchkey.stores.pg_advisory import AdvisoryBackend, advisory_key
 from latchkey.stores.postgresql import AsyncPostgreSQLBackend, PostgreSQLBackend
-from latchkey.stores.postgresql_line import TURN_MS
+from latchkey.stores.postgresql_line import STARVED_MS, TURN_MS
 from latchkey.stores.postgresql_tables import SCHEMA_VERSION
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
@@ -534,10 +534,13 @@ def _queued(sql: psycopg.Connection[tuple[object, ...]], table: str) -> int:
 
 def _taken(sql: psycopg.Connection[tuple[object, ...]], table: str, ago: str) -> None:
     """Move the start of lease ``n`` to ``ago`` before the server's clock: ``'1 hour'``, a
-    lease held for long (its release hands over); ``'-1 hour'``, one taken just now (its
-    release rings), whatever this machine's pace between statements."""
+    lease held for long (its release hands over); ``'-1 hour'``, one taken just now — and
+    the queue's waiters an hour younger, in the same order, so none has waited
+    ``STARVED_MS`` — so that its release rings, whatever this machine's pace."""
     sql.execute(f'UPDATE "{table}" SET acquired_at = clock_timestamp() - %s::interval '
                 "WHERE name = 'n'", (ago,))  # fmt: skip
+    if ago.startswith("-"):
+        sql.execute(f'UPDATE "{table}_waiters" SET queued_at = queued_at + interval \'1 hour\'')
 
 
 def _turn_due(sql: psycopg.Connection[tuple[object, ...]], table: str, owner: str) -> bool:
@@ -641,6 +644,40 @@ def test_a_rung_waiter_is_not_rung_again_within_its_turn(
     assert not wb.wait(0.2)  # …and the rung waiter was not woken again
     assert _queued(sql, table) == 1
     wb.close()
+
+
+def test_a_waiter_queued_long_enough_is_handed_the_lease_turn_or_not(
+    trio: list[PostgreSQLBackend], sql: psycopg.Connection[tuple[object, ...]], table: str
+) -> None:
+    """The starvation bound: once first has waited STARVED_MS in the queue, the next release
+    hands it the lease even if the holder took it a moment ago and first was never rung."""
+    a, b, _ = trio
+    first, second = _owner(), _owner()
+    assert isinstance(a.acquire("n", first, INFO, 30), Grant)
+    wb = b.wait_in_line("n", second, INFO, 30, 1)
+    _taken(sql, table, "-1 hour")
+    sql.execute(f'UPDATE "{table}_waiters" SET queued_at = clock_timestamp() - %s * '
+                "interval '1 millisecond'", (STARVED_MS + 1,))  # fmt: skip
+    assert a.release("n", first)
+    assert wb.wait(5) and wb.take_grant() is not None
+    assert _queued(sql, table) == 0
+    wb.close()
+    assert b.release("n", second)
+
+
+def test_a_rung_waiter_has_nobody_of_its_process_ahead() -> None:
+    """``Waiter.ahead`` counts the waiters of its process queued before it, which a release
+    serves first; a rung waiter is the server's first, whatever order its process queued
+    its waiters in, so it polls as the first does."""
+
+    class W:
+        def __init__(self, seq: int, rung: bool = False) -> None:
+            self.ticket, self.seq, self.rung = seq, seq, rung
+
+    line = [W(1), W(2), W(3)]
+    assert [queued_ahead(line, w) for w in line] == [0, 1, 2]
+    line[2].rung = True
+    assert queued_ahead(line, line[2]) == 0
 
 
 def test_waiters_made_before_turns_get_their_column_on_first_use(

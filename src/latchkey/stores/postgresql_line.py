@@ -18,8 +18,9 @@ holder looping on it, with no wake-up paid. Releases within the turn ring nobody
 release after the turn *hands over*: the lease row goes to first — new owner, fencing token,
 its own TTL — first leaves the queue, and the notice ``<name hex>:<ticket>:<token>:<expires
 µs>`` gives it the lease with no round trip of its own. The release of a lease held for a
-turn or longer hands over at once: barging would gain nothing there, and the waiter is
-served without an attempt of its own. So a waiter is served at the latest one turn after it
+turn or longer hands over at once, and so does any release once first has waited
+``STARVED_MS`` in the queue: barging gains nothing there, and the waiter is served without
+an attempt of its own. So a waiter is served at the latest one turn after it
 is first in line, every other process ahead of it having had one turn at most; the process
 that held the name goes to the end of the line when it next waits.
 
@@ -45,6 +46,12 @@ from latchkey.stores.sql import Query
 #: may still take it (a looping holder re-takes it in about 1 ms here); the first release
 #: after that hands it the lease.
 TURN_MS = 10
+#: A first waiter queued this long ago is served by hand-over at the next release, turn or
+#: not (a bound on its wait however the holders loop; Go's sync.Mutex starvation mode is the
+#: same idea, at 1 ms). Under contention a waiter is served well before (8 processes on one
+#: name: one turn each, ~100 ms); 10,000 waiters on one name mostly wait longer than this,
+#: and gain nothing from barging.
+STARVED_MS = 1000
 #: The parameter formats of the acquire statements: the name in binary, the rest text.
 MUTEX_FORMATS = (1, 0, 0, 0)
 
@@ -74,7 +81,8 @@ SELECT token, expires_at FROM taken"""
     # In: name, owner. Ends owner's lease on ``name`` (live or expired); for a mutex, what
     # comes next is the line's (the module docstring): *first* is the oldest queued waiter
     # whose listener key is held (our try-lock fails). Rung ``TURN_MS`` ago or more, or the
-    # lease held that long: the row goes to first (``heir``), which leaves the queue. Else
+    # lease held that long, or first queued ``STARVED_MS`` ago: the row goes to first
+    # (``heir``), which leaves the queue. Else
     # the row is deleted, and first is rung (``rung_at`` set, notified) unless it was
     # already. Queue rows their waiter is removing right now are skipped. Out: (our lease was
     # live, it was handed over); no row if we had none. A release that hands nothing over
@@ -86,7 +94,7 @@ SELECT token, expires_at FROM taken"""
         acquired_at <= clock_timestamp() - interval '{TURN_MS} milliseconds' AS held_long
     FROM {{s}}"{{t}}" WHERE name = $1 AND owner = $2 FOR UPDATE
 ), first AS (
-    SELECT w.owner, w.owner_info, w.ttl, w.ticket, w.rung_at
+    SELECT w.owner, w.owner_info, w.ttl, w.ticket, w.rung_at, w.queued_at
     FROM {{s}}"{{t}}_waiters" AS w JOIN gone USING (name)
     WHERE w.name = $1 AND gone.slot = 0 AND w.owner <> $2 AND w.expires_at > now()
       AND NOT pg_try_advisory_xact_lock(w.listener_key)
@@ -94,6 +102,7 @@ SELECT token, expires_at FROM taken"""
 ), heir AS (
     SELECT first.* FROM first, gone WHERE gone.held_long
         OR first.rung_at <= clock_timestamp() - interval '{TURN_MS} milliseconds'
+        OR first.queued_at <= clock_timestamp() - interval '{STARVED_MS} milliseconds'
 ), rung AS (
     UPDATE {{s}}"{{t}}_waiters" AS w SET rung_at = clock_timestamp() FROM first
     WHERE first.rung_at IS NULL AND NOT EXISTS (TABLE heir)

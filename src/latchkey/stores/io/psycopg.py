@@ -556,10 +556,10 @@ queue_order = itertools.count()
 
 def queued_ahead(waiters: Any, mine: Any) -> int:
     """How many of ``waiters`` (one name's, in this process) joined the server's queue before
-    ``mine``: a release hands the lease to the oldest, so these all come first. 0 for a
-    waiter that is not queued (a semaphore's: every waiter is woken)."""
-    if mine.ticket is None:
-        return 0
+    ``mine``: a release serves the oldest, so these all come first. 0 for a waiter that is
+    not queued (a semaphore's: every waiter is woken), or that a release rang."""
+    if mine.ticket is None or mine.rung:  # (rung: first in the server's line, whatever the
+        return 0  # order its process's waiters were queued in)
     return sum(1 for w in waiters if w.ticket is not None and w.seq < mine.seq)
 
 
@@ -574,8 +574,9 @@ def wake(waiters: Sequence[Any], ticket: int | None, grant: Grant | None) -> int
         return None
     for waiter in waiters:
         if waiter.ticket == ticket:
-            if grant is None:
-                waiter.event.set()  # rung: its turn to try
+            if grant is None:  # rung: its turn to try
+                waiter.rung = True
+                waiter.event.set()
             else:
                 waiter.deliver(grant)
             return None
@@ -597,6 +598,7 @@ class HandoffWaiter(EventWaiter):
         self.grant: Grant | None = None
         self.handed_over = False  # the core took the grant a release handed us
         self.left_line = False  # an attempt of its owner took the name and left the queue
+        self.rung = False  # a release rang it: it is first in the server's line
         self.acquired = False  # the wait ended with the lease ours (however it came)
         self._on_leave = on_close
 

@@ -326,6 +326,7 @@ class AsyncHandoffWaiter(AsyncWaiter):
         self.grant: Grant | None = None
         self.handed_over = False  # the core took the grant a release handed us
         self.left_line = False  # an attempt of its owner took the name and left the queue
+        self.rung = False  # a release rang it: it is first in the server's line
         self.acquired = False  # the wait ended with the lease ours (however it came)
         self._on_close = on_close
 
