@@ -435,7 +435,7 @@ def test_release_between_subscribe_and_wait_is_not_missed(backend: RedisBackend)
 
 # -- one process woken per release: the line and the turn (redis_lua, "Waking one process") --
 
-TURN_MS, RESERVE_MS = 10, 500  # as in redis_lua_helpers.PROLOGUE
+TURN_MS, RESERVE_MS = 50, 500  # as in redis_lua_helpers.PROLOGUE
 
 
 @pytest.fixture
@@ -527,7 +527,7 @@ def test_a_woken_process_gets_the_free_name_once_its_turn_is_due(
 def test_a_woken_process_that_finds_the_name_taken_again_tries_when_its_turn_is_due(
     processes: list[RedisBackend],
 ) -> None:
-    """Within the turn's first 10 ms a holder may take the name again (a barge), and its next
+    """Within the turn's first 50 ms a holder may take the name again (a barge), and its next
     release within them rings nobody: the woken process is told to try again when its turn
     comes due, not when the barging holder's lease would end."""
     holder, waiting = processes[:2]

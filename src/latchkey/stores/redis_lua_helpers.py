@@ -54,7 +54,7 @@ def _helpers_for(code: str) -> str:
 
 PROLOGUE = """
 if redis.replicate_commands then redis.replicate_commands() end
-local TURN_MS, RESERVE_MS = 10, 500  -- a woken process's turn: see redis_lua
+local TURN_MS, RESERVE_MS = 50, 500  -- a woken process's turn: see redis_lua
 """
 HELPERS = """
 local INDEXED = true
