@@ -20,8 +20,8 @@ its own TTL — first leaves the queue, and the notice ``<name hex>:<ticket>:<to
 µs>`` gives it the lease with no round trip of its own. The release of a lease held for a
 turn or longer hands over at once, and so does any release once first has waited
 ``STARVED_MS`` in the queue: barging gains nothing there, and the waiter is served without
-an attempt of its own. So a waiter is served at the latest one turn after it
-is first in line, every other process ahead of it having had one turn at most; the process
+an attempt of its own. So once a waiter is first in line, it is served by the first release
+after one turn, every other process ahead of it having had one turn at most; the process
 that held the name goes to the end of the line when it next waits.
 
 With nobody in line, a release notifies ``<name hex>``: every waiter of the name retries

@@ -566,8 +566,8 @@ def queued_ahead(waiters: Any, mine: Any) -> int:
 def wake(waiters: Sequence[Any], ticket: int | None, grant: Grant | None) -> int | None:
     """Wake the waiters a notice is for (:func:`read_notice`): every one of its key, or only
     the one holding ``ticket`` (handing it ``grant`` if any; every process hears every notice,
-    so a ticket not here is another's). Returns the ticket of a hand-over that nobody here
-    waits for although it was queued from here (the caller's ``unclaimed`` decides)."""
+    so a ticket not here is another's). Returns the ticket of a hand-over to no waiter here:
+    the caller's ``unclaimed`` gives that lease back if this process queued it and left."""
     if ticket is None:
         for waiter in waiters:
             waiter.event.set()
