@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
+from typing import Any
 
 import latchkey
 from tests.helpers import eventually
@@ -53,6 +55,29 @@ def test_async_renewal_is_a_task_that_a_forgotten_lock_cancels() -> None:
         assert task.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_renewed_async_lock_collected_after_its_loop_closed_raises_nothing() -> None:
+    """The lease's collection cancels its renewal through the loop; once the loop is closed
+    there is nothing left to cancel, and nothing to report (the weakref callback used to
+    raise "Event loop is closed", an unraisable exception)."""
+    kept: list[Any] = []
+
+    async def main() -> None:
+        store = latchkey.connect_async("memory://")
+        lock = store.lock("outlives-its-loop", ttl="60s", renew=True)
+        assert await lock.acquire()
+        kept.append(lock)
+
+    asyncio.run(main())
+    seen: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, seen.append
+    try:
+        kept.clear()
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [str(u.exc_value) for u in seen] == []
 
 
 def test_async_renewal_keeps_a_short_lease_alive_and_stops_on_release() -> None:

@@ -107,8 +107,14 @@ class AsyncRenewer:
             self._run(lease._renew_interval()), name=f"latchkey-renew:{lease.name[:40]}"
         )
         task = self._task
-        # Collection may happen on any thread: cancel through the loop.
-        self._ref = weakref.ref(lease, lambda _ref: loop.call_soon_threadsafe(task.cancel))
+
+        def cancel(_ref: object) -> None:
+            # Collection may happen on any thread: cancel through the loop — unless the loop
+            # is closed (the task went with it; there is nothing left to cancel).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
+
+        self._ref = weakref.ref(lease, cancel)
 
     async def stop(self) -> None:
         task = self._task
