@@ -13,8 +13,9 @@ Every primitive is one statement in autocommit mode (one round trip, one commit)
 uncontended acquire and release go through libpq's prepared-statement call (``Prepared``).
 
 Waiting is a line with turns (:mod:`latchkey.stores.postgresql_line` has its rules and
-statements): a release frees the name and rings the first live waiter; after a turn of 10 ms
-that the waiter did not win, the next release hands it the lease.
+statements): the release of a lease just taken frees the name and rings the first live
+waiter, and the first release after its 10 ms turn hands it the lease; a lease held a turn
+or longer, or a waiter queued for a second, is handed over at once.
 
 The tables' DDL and schema version: :mod:`latchkey.stores.postgresql_tables`. The I/O
 (connections, the libpq fast path, the listener): :mod:`latchkey.stores.io.psycopg`.
@@ -41,7 +42,7 @@ from latchkey.stores.io.psycopg import (
 )
 from latchkey.stores.postgresql_line import MUTEX_FORMATS, Line
 from latchkey.stores.postgresql_rows import RowLeases
-from latchkey.stores.postgresql_tables import COLUMNS, TAKE_OVER, Tables, table_name
+from latchkey.stores.postgresql_tables import COLUMNS, TAKE_MUTEX, TAKE_OVER, Tables, table_name
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import POSTGRESQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
@@ -93,9 +94,7 @@ class PostgreSQL(Line, RowLeases, RowClaims, Tables, LeaseTable):
     # In: name, owner, owner_info, ttl (s). A mutex is slot 0: taken if free or expired, never
     # from a live lease. Out: (token, expires_at) if granted, no row if busy. One plain INSERT,
     # so the uncontended path costs a raw INSERT … ON CONFLICT; HOLDER only when busy.
-    ACQUIRE_MUTEX = f"""INSERT INTO {{s}}"{{t}}" AS l {COLUMNS}
-VALUES ($1, 0, $2, $3, nextval('{{s}}"{{t}}_fence"'), now(), now() + $4::float8 * interval '1s')
-{TAKE_OVER} RETURNING l.token, l.expires_at"""
+    ACQUIRE_MUTEX = TAKE_MUTEX
     # In: name, owner. The live holder of a mutex, for a Busy answer: (token, owner_info,
     # acquired_at, expires_at, seconds left, whether it is ``owner``: a release handed it to us
     # while we were not looking); no row if it was released in between.

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from latchkey.stores.io import Steps
 from latchkey.stores.io.psycopg import Listen, Prepared
-from latchkey.stores.postgresql_tables import COLUMNS, TAKE_OVER
+from latchkey.stores.postgresql_tables import TAKE_MUTEX
 from latchkey.stores.sql import Query
 
 #: How long a rung waiter may take to win the free name by its own attempt while anyone else
@@ -71,9 +71,7 @@ class Line:
     # owner leaves the queue in the same statement (one round trip fewer before the waiter
     # returns). Out: as ACQUIRE_MUTEX.
     ACQUIRE_QUEUED = f"""WITH taken AS (
-INSERT INTO {{s}}"{{t}}" AS l {COLUMNS}
-VALUES ($1, 0, $2, $3, nextval('{{s}}"{{t}}_fence"'), now(), now() + $4::float8 * interval '1s')
-{TAKE_OVER} RETURNING l.token, l.expires_at
+{TAKE_MUTEX}
 ), left_line AS (
     DELETE FROM {{s}}"{{t}}_waiters" AS w
     WHERE w.name = $1 AND w.owner = $2 AND EXISTS (TABLE taken))

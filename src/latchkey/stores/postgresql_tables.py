@@ -24,6 +24,12 @@ TAKE_OVER = """ON CONFLICT (name, slot) DO UPDATE SET owner = excluded.owner,
     owner_info = excluded.owner_info, token = excluded.token,
     acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
 WHERE l.expires_at <= now()"""
+# A mutex acquire (slot 0), taken if free or expired, never from a live lease. In: name,
+# owner, owner_info, ttl (s). Out: (token, expires_at) if granted, no row if busy. The store's
+# ACQUIRE_MUTEX, and the first step of a queued waiter's attempt (postgresql_line).
+TAKE_MUTEX = f"""INSERT INTO {{s}}"{{t}}" AS l {COLUMNS}
+VALUES ($1, 0, $2, $3, nextval('{{s}}"{{t}}_fence"'), now(), now() + $4::float8 * interval '1s')
+{TAKE_OVER} RETURNING l.token, l.expires_at"""
 # A fixed advisory-lock key ("latchkey" in ASCII) that serialises table creation, so that
 # several processes starting at once do not race in CREATE … IF NOT EXISTS.
 DDL_LOCK_KEY = 0x6C6174636B6B6579
