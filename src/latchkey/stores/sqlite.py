@@ -11,6 +11,16 @@ serialises across processes (WAL mode; readers never block). URL: ``sqlite:///re
 ``sqlite:////absolute/path.db``; options ``?table=``, ``?synchronous=normal|full``,
 ``?timeout=`` (how long to wait for another process's write transaction).
 
+Waiting: a release rings the first waiter's doorbell (``stores/io/doorbell.py``), and takes
+turns as PostgreSQL's line does (``postgresql_line.py``): the rung waiter has ``TURN_MS`` to
+win the free name by its own attempt, while anyone else (most often the holder looping on the
+name, which pays no wake-up) may still take it, and releases within the turn ring nobody. The
+first release after the turn, or any release once first has waited ``STARVED_MS``, *reserves*
+the name for first instead of freeing it: the lease row becomes ``~<first's ticket>`` for
+``RESERVE_MS`` (a lease nobody holds: ``inspect`` and ``ls`` do not show it, an attempt finds
+the name busy, a purge or the next attempt after it lapses removes it) and first is rung; its
+attempt takes the reserved slot. A waiter whose process is gone is not rung but passed over.
+
 ``latchkey.connect(client=engine)`` with a SQLAlchemy Engine over ``sqlite+pysqlite``: the
 engine's file, opened by latchkey's own connections as from a URL (the engine's pool is not
 used: latchkey's locking needs its own ``BEGIN IMMEDIATE`` transactions and WAL mode, which
@@ -30,12 +40,20 @@ from latchkey._url import Option, choice
 from latchkey.errors import ConfigError
 from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
-from latchkey.stores.io.doorbell import Listen, Ring
+from latchkey.stores.io.doorbell import First, InLine, Listen, Ring
 from latchkey.stores.primitives import AsyncStoreBackend, BusyMemory, StoreBackend
 from latchkey.stores.rows_sql import SQLITE, RowClaims
 from latchkey.stores.sql import LeaseTable, Query, chunks
 
 SCHEMA_VERSION = 1
+#: The rung waiter's turn to take the free name by its own attempt (module docstring).
+TURN_MS = 50
+#: A first waiter that came this long ago gets the name reserved at the next release.
+STARVED_MS = 1000
+#: How long a reservation keeps the name for its waiter (then anyone may take it).
+RESERVE_MS = 500
+#: A reservation's owner: this, then the waiter's ticket. Owner tokens are hex.
+RESERVED = "~"
 #: Variables per statement for batch operations (SQLite allows 32766 since 3.32).
 CHUNK = 500
 
@@ -85,6 +103,12 @@ NEXT_FENCE = "UPDATE {t}_meta SET value = value + ? WHERE key = 'fence' RETURNIN
 INSERT_LEASE = "INSERT OR REPLACE INTO {t} VALUES (?, ?, ?, ?, ?, ?, ?)"
 # Ends our lease (live or not). In: name, owner. Out: whether it was live. Never another's.
 RELEASE = f"DELETE FROM {{t}} WHERE name = ? AND owner = ? RETURNING expires_at > {NOW_MS}"
+# Keeps our live lease's row for a waiter instead of ending it (module docstring). In:
+# reservation owner, ms, name, owner. Out: a row if it was live (else RELEASE ends it).
+RESERVE = (
+    f"UPDATE {{t}} SET owner = ?, expires_at = {NOW_MS} + ? "
+    f"WHERE name = ? AND owner = ? AND expires_at > {NOW_MS} RETURNING 1"
+)
 # Moves our live lease's end. In: ttl ms, name, owner. Out: token, expires_at. Not if expired.
 EXTEND = (
     f"UPDATE {{t}} SET expires_at = {NOW_MS} + ? "
@@ -93,12 +117,14 @@ EXTEND = (
 # Live holders of a name, oldest first. In: name.
 INSPECT = (
     f"SELECT name, owner_info, token, acquired_at, expires_at FROM {{t}} "
-    f"WHERE name = ? AND expires_at > {NOW_MS} ORDER BY acquired_at, token"
+    f"WHERE name = ? AND expires_at > {NOW_MS} AND substr(owner, 1, 1) <> '{RESERVED}' "
+    "ORDER BY acquired_at, token"
 )
 # Live holders of every name with a byte prefix. In: prefix length, prefix.
 LIST = (
     f"SELECT name, owner_info, token, acquired_at, expires_at FROM {{t}} "
-    f"WHERE substr(name, 1, ?) = ? AND expires_at > {NOW_MS} ORDER BY name, acquired_at, token"
+    f"WHERE substr(name, 1, ?) = ? AND expires_at > {NOW_MS} "
+    f"AND substr(owner, 1, 1) <> '{RESERVED}' ORDER BY name, acquired_at, token"
 )
 # Drops every lease on a name. Out: one row per dropped lease, whether it was live.
 FORCE_RELEASE = f"DELETE FROM {{t}} WHERE name = ? RETURNING expires_at > {NOW_MS}"
@@ -136,7 +162,7 @@ class SQLite(RowClaims, LeaseTable):
     RECORD_GET, RECORD_INSERT, RECORD_UPDATE = RECORD_GET, RECORD_INSERT, RECORD_UPDATE
     RECORD_DELETE, NOW = RECORD_DELETE, SELECT_NOW
     DELETE_EXPIRED_OF, LIVE_OF, NEXT_FENCE = DELETE_EXPIRED_OF, LIVE_OF, NEXT_FENCE
-    INSERT_LEASE, EXTEND, PEEK_LIVE = INSERT_LEASE, EXTEND, PEEK_LIVE
+    INSERT_LEASE, EXTEND, PEEK_LIVE, RESERVE = INSERT_LEASE, EXTEND, PEEK_LIVE, RESERVE
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
@@ -144,6 +170,8 @@ class SQLite(RowClaims, LeaseTable):
         #: processes on one name made ~6 write transactions per waiting acquisition, each
         #: holding the one write lock that the holder's release and next acquire wait for.
         self.busy_keys = BusyMemory()
+        #: This process's waiters (their doorbells) by (name, owner), while they wait.
+        self.in_line: dict[tuple[str, str], Any] = {}
         url = self.url
         if url.hosts:
             raise ConfigError(
@@ -191,34 +219,67 @@ class SQLite(RowClaims, LeaseTable):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
         key = name.encode()
+        bell = self.in_line.get((name, owner)) if self.in_line else None
+        mine = None if bell is None else RESERVED + bell.ticket  # a reservation for us
         if self.busy_keys.recent(key):  # contended: look before taking the write lock
             live, _ = yield Query(self.PEEK_LIVE, (key,))
-            if len(live) >= limit and all(row[5] != owner for row in live):
-                soonest = live[0]
-                return Busy(len(live), self.holder(soonest), (soonest[4] - soonest[6]) / 1000)
-        result = yield from self.transaction(self._acquire(key, owner, owner_info, ttl, limit))
+            if len(live) >= limit and all(row[5] != owner and row[5] != mine for row in live):
+                return self._busy(live, live[0][6])
+        result = yield from self.transaction(
+            self._acquire(key, owner, owner_info, ttl, limit, mine)
+        )
         if type(result) is Busy:
             self.busy_keys.mark(key)
         return result
 
     def _acquire(
-        self, key: bytes, owner: str, owner_info: str, ttl: float, limit: int
+        self, key: bytes, owner: str, owner_info: str, ttl: float, limit: int, mine: str | None
     ) -> Steps[Grant | Busy]:
         now = (yield Query(self.NOW))[0][0][0]
         yield Query(self.DELETE_EXPIRED_OF, (key, now))
         live, _ = yield Query(self.LIVE_OF, (key,))
+        slot = None
         for row in live:
             if row[5] == owner:  # already ours: that lease, as it is
                 return Grant(row[2], _dt(row[4]), (row[4] - now) / 1000)
-        if len(live) >= limit:
-            soonest = live[0]
-            return Busy(len(live), self.holder(soonest), (soonest[4] - now) / 1000)
-        used = {row[0] for row in live}
-        slot = next(s for s in range(limit) if s not in used)
+            if row[5] == mine:  # reserved for us: its slot is ours
+                slot = row[0]
+        if slot is None:
+            if len(live) >= limit:
+                return self._busy(live, now)
+            used = {row[0] for row in live}
+            slot = next(s for s in range(limit) if s not in used)
         token = (yield Query(self.NEXT_FENCE, (1,)))[0][0][0]
         expires = now + _ms(ttl)
         yield Query(self.INSERT_LEASE, (key, slot, owner, owner_info, token, now, expires))
         return Grant(token, _dt(expires))
+
+    def _busy(self, live: list[Any], now: int) -> Busy:
+        """Busy, naming the soonest-expiring holder (a reservation is nobody's lease)."""
+        held = [row for row in live if not row[5].startswith(RESERVED)]
+        soonest = (held or live)[0]
+        holder = self.holder(soonest) if held else None
+        return Busy(len(live), holder, (soonest[4] - now) / 1000)
+
+    def release(self, name: str, owner: str) -> Steps[bool]:
+        """End our lease; what comes next is the line's (the module docstring)."""
+        key = name.encode()
+        first: InLine | None = yield First(name)
+        if first is not None and (
+            (first.rung is not None and first.rung * 1000 >= TURN_MS)
+            or first.waited * 1000 >= STARVED_MS
+        ):
+            reserved = RESERVED + first.ticket
+            rows, _ = yield Query(self.RESERVE, (reserved, RESERVE_MS, key, owner))
+            if rows:
+                if not (yield Ring((name,), ticket=first.ticket)):  # its process is gone
+                    yield Query(self.RELEASE, (key, reserved))
+                    yield Ring((name,))
+                return True
+        result = yield Query(self.RELEASE, (key, owner))
+        if result[0] and (first is None or first.rung is None):  # else: first's turn
+            yield Ring((name,))
+        return self.was_live(result)
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         rows, _ = yield Query(self.EXTEND, (_ms(ttl), name.encode(), owner))
@@ -287,8 +348,13 @@ class SQLite(RowClaims, LeaseTable):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Any]:
         """A doorbell for ``name`` (``stores/io/doorbell.py``): releases by any process on this
-        machine wake the waiter at once; the core's backoff covers the rest (expiry)."""
-        return (yield Listen(name))
+        machine wake the waiter at once; the core's backoff covers the rest (expiry). While
+        it waits, ``in_line`` has it, for a reservation the release may make for it."""
+        bell = yield Listen(name)
+        if bell is not None:
+            self.in_line[name, owner] = bell
+            bell.line = (self.in_line, (name, owner))
+        return bell
 
     def _release_many(self, keys: list[bytes], owner: str) -> Steps[int]:
         live = 0

@@ -11,6 +11,11 @@ room, and its own release rings the next in line. The waiter binds
 before the core's second attempt (``wait_in_line``), so a release that lands between an
 attempt and the wait is a byte already queued on its socket: no release is missed.
 
+The ringer marks the socket it rang (access time the epoch, modification time the ring's), and
+:meth:`Doorbells.first` tells a release who is first, since when, and when it was last rung:
+the store's turns are decided from that (``stores/sqlite.py``). A waiter's *ticket* is its
+socket's name in the room.
+
 It is only a wake-up: correctness never depends on it. A waiter that is not rung (a lease that
 ended by expiry, a process in another container that cannot see the room, a full socket
 buffer) still wakes by the core's own backoff, capped by the holder's remaining lease. Stale
@@ -37,7 +42,7 @@ import os
 import socket
 import tempfile
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from latchkey._types import Busy, Grant
 from latchkey.stores.base import AsyncWaiter, Waiter
@@ -50,10 +55,27 @@ SUFFIX = 1 + 16 + 1 + 13 + 1 + 7 + 1 + 8
 
 class Ring(NamedTuple):
     """A request: wake the first waiter of each of these names (``everyone``: all of them),
-    after the release has committed."""
+    after the release has committed; with ``ticket``, that one waiter of the one name only.
+    Answered with whether a waiter was rung (with ``ticket``: that one)."""
 
     names: tuple[str, ...]
     everyone: bool = False
+    ticket: str | None = None
+
+
+class First(NamedTuple):
+    """A request: the first waiter in ``name``'s room, as a :class:`InLine`, or None."""
+
+    name: str
+
+
+class InLine(NamedTuple):
+    """The first waiter of a name: its ``ticket`` (its socket's name in the room), seconds
+    since it came, and seconds since a release last rang it (None: never)."""
+
+    ticket: str
+    waited: float
+    rung: float | None
 
 
 class Listen(NamedTuple):
@@ -61,6 +83,10 @@ class Listen(NamedTuple):
 
     name: str
 
+
+#: The access time a ringer gives the socket it rang (its modification time is when): a bound
+#: socket's access time is when it was bound, never the epoch.
+RUNG = 0
 
 #: Room paths a process remembers (the names it released or waited on lately), at most.
 ROOMS_KEPT = 4096
@@ -89,32 +115,61 @@ class Doorbells:
             room = self._rooms[name] = os.path.join(self.dir, digest)
         return room
 
-    def ring(self, names: tuple[str, ...], everyone: bool = False) -> None:
+    def ring(
+        self, names: tuple[str, ...], everyone: bool = False, ticket: str | None = None
+    ) -> bool:
         """Send one byte to the first waiter of each of ``names`` (every waiter, with
-        ``everyone``); never raises, never blocks."""
+        ``everyone``; the waiter ``ticket`` only, with one), and mark it rung (see
+        :meth:`first`); never raises, never blocks. Whether any waiter was rung."""
+        rang = False
         for name in names:
             room = self.room(name)
+            if ticket is not None:
+                return self._send(os.path.join(room, ticket))
             if not os.access(room, os.F_OK):
                 continue  # nobody waits (the usual case): 0.5 µs, a failed listdir is 1.6
             try:
                 entries = os.listdir(room)
             except OSError:
                 continue  # the last waiter just left
-            sender = self._socket()
             for entry in sorted(entries):  # by arrival time
-                path = os.path.join(room, entry)
-                try:
-                    sender.sendto(b"!", path)
-                except ConnectionRefusedError:  # its process is gone: ring the next
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                    continue
-                except FileNotFoundError:  # it just left: ring the next
-                    continue
-                except OSError:
-                    pass  # full: it is rung already
-                if not everyone:
-                    break
+                if self._send(os.path.join(room, entry)):
+                    rang = True
+                    if not everyone:
+                        break
+        return rang
+
+    def _send(self, path: str) -> bool:
+        """Ring the waiter at ``path``: False if it is gone (a dead one's socket is removed)."""
+        try:
+            self._socket().sendto(b"!", path)
+        except ConnectionRefusedError:  # its process is gone
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return False
+        except FileNotFoundError:  # it just left
+            return False
+        except OSError:
+            pass  # full: it is rung already
+        with contextlib.suppress(OSError):  # another user's socket: rung, unmarked
+            os.utime(path, ns=(RUNG, time.time_ns()))
+        return True
+
+    def first(self, name: str) -> InLine | None:
+        """The waiter that came first to ``name``'s room, or None (nobody waits: one
+        ``access``)."""
+        room = self.room(name)
+        if not os.access(room, os.F_OK):
+            return None
+        try:
+            entry = min(os.listdir(room))
+            stat = os.stat(os.path.join(room, entry))
+            came = int(entry.split("-", 1)[0], 16) * 1000
+        except (OSError, ValueError):
+            return None  # it left, or is not a waiter's
+        now = time.time_ns()
+        rung = (now - stat.st_mtime_ns) / 1e9 if stat.st_atime_ns == RUNG else None
+        return InLine(entry, (now - came) / 1e9, rung)
 
     def listen(self, name: str) -> socket.socket | None:
         """A socket bound in ``name``'s room, or None if no room can be made here."""
@@ -167,12 +222,21 @@ def _drain(sock: socket.socket) -> None:
             pass
 
 
+def ticket_of(sock: socket.socket) -> str:
+    """A waiter's ticket: its socket's name in the room."""
+    path = sock.getsockname()
+    return os.path.basename(path) if isinstance(path, str) else ""
+
+
 class Bell(Waiter):
     """A blocked acquire's doorbell (sync). A waiter that leaves without the lease (its wait
-    timed out, or was cancelled) may have been the one rung: it passes the ring on."""
+    timed out, or was cancelled) may have been the one rung: it passes the ring on. ``line``:
+    where the store keeps this waiter while it waits (a dict and its key, removed at close)."""
 
     def __init__(self, sock: socket.socket, bells: Doorbells, name: str) -> None:
         self.sock, self.bells, self.name, self.granted = sock, bells, name, False
+        self.ticket = ticket_of(sock)
+        self.line: tuple[dict[Any, Any], Any] | None = None
 
     def finish(self, result: Grant | Busy) -> None:
         self.granted = type(result) is Grant
@@ -187,6 +251,8 @@ class Bell(Waiter):
         return True
 
     def close(self) -> None:
+        if self.line is not None:
+            self.line[0].pop(self.line[1], None)
         leave(self.sock)
         if not self.granted:
             self.bells.ring((self.name,))
@@ -195,9 +261,16 @@ class Bell(Waiter):
 class AsyncBell(AsyncWaiter):
     """A blocked acquire's doorbell (asyncio): the loop watches the socket; no thread waits."""
 
-    def __init__(self, sock: socket.socket, bells: Doorbells, name: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        bells: Doorbells,
+        name: str,
+        line: tuple[dict[Any, Any], Any] | None = None,
+    ) -> None:
         sock.setblocking(False)
         self.sock, self.bells, self.name, self.granted = sock, bells, name, False
+        self.line = line
 
     async def finish(self, result: Grant | Busy) -> None:
         self.granted = type(result) is Grant
@@ -212,6 +285,8 @@ class AsyncBell(AsyncWaiter):
         return True
 
     async def close(self) -> None:
+        if self.line is not None:
+            self.line[0].pop(self.line[1], None)
         leave(self.sock)
         if not self.granted:
             self.bells.ring((self.name,))

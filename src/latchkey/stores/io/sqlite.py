@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.io.aio import AsyncDriver, AsyncPinned
-from latchkey.stores.io.doorbell import AsyncBell, Bell, Doorbells, Listen, Ring
+from latchkey.stores.io.doorbell import AsyncBell, Bell, Doorbells, First, Listen, Ring
 from latchkey.stores.rows_sql import Statement
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class SQLiteDriver(Driver):
 
     def answer(self, request: Any) -> Any:
         kind = type(request)
-        if kind is Ring or kind is Listen:
+        if kind is Ring or kind is Listen or kind is First:
             return doorbell(self.bells, request)
         sql, params, many = request
         conn = self._conn
@@ -140,7 +140,9 @@ class AsyncSQLiteDriver(AsyncDriver):
         loop = asyncio.get_running_loop()
         answer = await loop.run_in_executor(self._thread, self._sync.run, steps, action)
         if isinstance(answer, Bell):  # wait_in_line's doorbell: the loop watches its socket
-            return AsyncBell(answer.sock, answer.bells, answer.name)  # type: ignore[return-value]
+            return AsyncBell(  # type: ignore[return-value]
+                answer.sock, answer.bells, answer.name, answer.line
+            )
         return answer
 
     async def pin(self) -> AsyncPinned:
@@ -202,12 +204,13 @@ def _close(conn: sqlite3.Connection) -> None:
     conn.close()
 
 
-def doorbell(bells: Doorbells | None, request: Ring | Listen) -> Bell | None:
-    """Ring: wake waiters (answers None). Listen: a waiter's Bell, or None (no bells here)."""
+def doorbell(bells: Doorbells | None, request: Ring | Listen | First) -> Any:
+    """Ring: wake waiters (answers whether one was rung). First: the first waiter in line
+    (an ``InLine``), or None. Listen: a waiter's Bell, or None (no bells here)."""
     if isinstance(request, Ring):
-        if bells is not None:
-            bells.ring(request.names, request.everyone)
-        return None
+        return bells is not None and bells.ring(*request)
+    if isinstance(request, First):
+        return None if bells is None else bells.first(request.name)
     sock = None if bells is None else bells.listen(request.name)
     return None if sock is None or bells is None else Bell(sock, bells, request.name)
 
@@ -216,7 +219,7 @@ def answer_on(conn: sqlite3.Connection, request: Any, bells: Doorbells | None) -
     """One request on ``conn``: a Query (``(rows, rowcount)``), a Statement (``(columns,
     rows)``), or a doorbell's (see :func:`doorbell`)."""
     kind = type(request)
-    if kind is Ring or kind is Listen:
+    if kind is Ring or kind is Listen or kind is First:
         return doorbell(bells, request)
     if kind is Statement:
         cur = conn.execute(request.sql, () if request.params is None else request.params)
