@@ -255,11 +255,11 @@ class SQLite(RowClaims, LeaseTable):
         return Grant(token, _dt(expires))
 
     def _busy(self, live: list[Any], now: int) -> Busy:
-        """Busy, naming the soonest-expiring holder (a reservation is nobody's lease)."""
-        held = [row for row in live if not row[5].startswith(RESERVED)]
-        soonest = (held or live)[0]
-        holder = self.holder(soonest) if held else None
-        return Busy(len(live), holder, (soonest[4] - now) / 1000)
+        """Busy, naming the soonest-expiring holder (a reservation is nobody's lease), with
+        the time until the soonest slot ends (a reservation's too)."""
+        held = next((row for row in live if not row[5].startswith(RESERVED)), None)
+        holder = None if held is None else self.holder(held)
+        return Busy(len(live), holder, (live[0][4] - now) / 1000)
 
     def release(self, name: str, owner: str) -> Steps[bool]:
         """End our lease; what comes next is the line's (the module docstring)."""
