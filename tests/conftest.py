@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import latchkey
-from tests import asyncmode, servers
+from tests import asyncmode, leaks, servers
 
 servers.load_all()
 
@@ -30,6 +30,11 @@ _unknown = _selected - {row.id for row in servers.ROWS}
 if _unknown:
     raise pytest.UsageError(f"LATCHKEY_TEST_STORES names unknown stores: {sorted(_unknown)}")
 ROWS = [row for row in servers.ROWS if not _selected or row.id in _selected]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    leaks.install()  # after pytest's own unraisable hook: see tests/leaks.py
 
 
 class ServerPool:
