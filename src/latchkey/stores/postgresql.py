@@ -238,6 +238,10 @@ SELECT EXISTS (SELECT 1 FROM gone)
                 b"latchkey_acquire_mutex", self.acquire_pq, values, MUTEX_FORMATS
             )
         else:  # a queued waiter's attempt: taking the name takes it out of the queue
+            # An attempt supersedes a hand-over not yet taken: a lease still ours is its
+            # answer (HOLDER: mine), and one no longer ours (expired, taken since) must never
+            # be returned later. A hand-over during the attempt is delivered again after.
+            waiter.grant = None
             result = yield self.queued_attempt(values)
         if result.ntuples:
             if waiter is not None:

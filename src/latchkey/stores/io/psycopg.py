@@ -606,6 +606,12 @@ class HandoffWaiter(EventWaiter):
         self.grant = grant
         self.event.set()
 
+    def wait(self, timeout: float) -> bool:
+        woke = self.event.wait(max(0.0, timeout)) or self.grant is not None
+        if woke:  # (a notice after a timed-out wait stays set: the next wait returns at once)
+            self.event.clear()
+        return woke
+
     def take_grant(self) -> Grant | None:
         if self.grant is not None:
             self.handed_over = self.acquired = True

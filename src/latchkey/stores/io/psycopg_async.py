@@ -335,12 +335,16 @@ class AsyncHandoffWaiter(AsyncWaiter):
         self.event.set()
 
     async def wait(self, timeout: float) -> bool:
-        try:
-            await guarded(self.event.wait(), max(0.0, timeout))
-            woke = True
-        except asyncio.TimeoutError:
-            woke = False
-        self.event.clear()
+        """True if a notice woke it (or a release handed it the lease): read from the event
+        itself after the wait, never from how the wait ended. ``wait_for`` can time out with
+        the event set (at once with a timeout of 0; or when its timer and the set fall in one
+        turn of the loop), and clearing it then lost the wake-up and left a handed-over lease
+        untaken until it expired."""
+        if not self.event.is_set() and self.grant is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await guarded(self.event.wait(), max(0.0, timeout))
+        woke = self.event.is_set() or self.grant is not None
+        self.event.clear()  # (no set can come between: one thread, no await)
         return woke
 
     async def take_grant(self) -> Grant | None:
