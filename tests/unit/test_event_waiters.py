@@ -75,3 +75,32 @@ def test_a_sync_hand_over_is_seen_whatever_the_event_says() -> None:
     waiter.grant = _grant()  # delivered; its event's set lost to a concurrent clear
     assert waiter.wait(0.0) is True
     assert waiter.take_grant() is not None and waiter.handed_over
+
+
+def test_the_line_and_watch_waiters_keep_a_notice_that_came_as_they_timed_out() -> None:
+    """The same rule in each sync waiter that clears its event (process lines, ZooKeeper)."""
+    from latchkey.stores.io.kazoo import LineWaiter as ZooKeeperWaiter
+    from latchkey.stores.io.lines import Lines, LineWaiter
+
+    for waiter in (LineWaiter(Lines(), "n"), ZooKeeperWaiter(None, "n", "o")):  # type: ignore[arg-type]
+        waiter.event = _SetAfterTimeout()
+        assert waiter.wait(0.0) is False
+        assert waiter.wait(0.0) is True, type(waiter)
+
+
+def test_the_asyncio_line_waiters_never_clear_a_notice_unseen() -> None:
+    from latchkey.stores.io.kazoo_async import AsyncLineWaiter as ZooKeeperWaiter
+    from latchkey.stores.io.lines import AsyncLines
+    from latchkey.stores.io.lines import AsyncLineWaiter as LineWaiter
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for make in (lambda: LineWaiter(AsyncLines(), "n"),
+                     lambda: ZooKeeperWaiter(None, "n", "o")):  # type: ignore[arg-type]  # fmt: skip
+            for _ in range(200):  # the timer and the notice in one turn of the loop, often
+                waiter = make()
+                loop.call_later(0.001, waiter.event.set)
+                if not await waiter.wait(0.001):  # timed out first: kept for the next wait
+                    assert await waiter.wait(1.0) is True
+
+    asyncio.run(main())

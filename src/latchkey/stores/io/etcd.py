@@ -452,7 +452,8 @@ class DeleteWaiter(Waiter):
             time.sleep(max(0.0, timeout))  # the watch broke (etcd restarted, say): poll
             return False
         woke = event.wait(max(0.0, timeout))
-        event.clear()
+        if woke:  # cleared only when it woke us: a set just after a timeout is kept
+            event.clear()
         return woke and not self.shared.broken
 
     def close(self) -> None:

@@ -320,7 +320,8 @@ class LineWaiter(Waiter):
 
     def wait(self, timeout: float) -> bool:
         woke = self.event.wait(max(0.0, timeout))
-        self.event.clear()
+        if woke:  # cleared only when it woke us: a set just after a timeout is kept
+            self.event.clear()
         return woke
 
     def finish(self, result: Any) -> None:

@@ -198,13 +198,11 @@ class AsyncLineWaiter(AsyncWaiter):
             self.loop.call_soon_threadsafe(self.event.set)
 
     async def wait(self, timeout: float) -> bool:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await bounded(self.event.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            self.event.clear()
-        return True
+        woke = self.event.is_set()  # after the wait: a set as it timed out is not lost
+        self.event.clear()
+        return woke
 
     async def finish(self, result: Any) -> None:
         self.granted = isinstance(result, Grant)

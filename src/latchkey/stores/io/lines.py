@@ -22,6 +22,7 @@ forked child starts with empty lines: the parent's waiters are not its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterable
@@ -102,7 +103,8 @@ class LineWaiter(Waiter):
 
     def wait(self, timeout: float) -> bool:
         woke = self.event.wait(max(0.0, timeout))
-        self.event.clear()
+        if woke:  # cleared only when it woke us: a set just after a timeout is kept
+            self.event.clear()
         return woke
 
     @property
@@ -145,11 +147,9 @@ class AsyncLineWaiter(AsyncWaiter):
         self.granted = False
 
     async def wait(self, timeout: float) -> bool:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.event.wait(), max(0.0, timeout))
-            woke = True
-        except asyncio.TimeoutError:
-            woke = False
+        woke = self.event.is_set()  # after the wait: a set as it timed out is not lost
         self.event.clear()
         return woke
 
