@@ -111,19 +111,28 @@ def two(tmp_path: Path) -> Iterator[tuple[Path, latchkey.Store, latchkey.Store]]
         b.close()
 
 
+@contextlib.contextmanager
+def _held_with_first(
+    path: Path, store: latchkey.Store, came_ago: float = 0.0
+) -> Iterator[tuple[latchkey.Lock, socket.socket]]:
+    """"job" held through ``store``, and a waiter's socket first in its room."""
+    lock = store.lock("job", ttl="30s")
+    assert lock.acquire(wait=0)
+    first = _room_waiter(path, "job", came_ago)
+    try:
+        yield lock, first
+    finally:
+        first.close()
+
+
 def test_a_release_rings_a_waiter_never_rung_and_frees_the_name(two: Any) -> None:
     path, a, b = two
-    lock = a.lock("job", ttl="30s")
-    assert lock.acquire(wait=0)
-    first = _room_waiter(path, "job")
-    try:
+    with _held_with_first(path, a) as (lock, first):
         lock.release()
         assert _rung(first)
         assert os.stat(first.getsockname()).st_atime_ns == doorbell.RUNG  # marked: its turn
         assert _reservations(path) == []
         assert b.lock("job", ttl="30s").acquire(wait=0)  # free: anyone may take it
-    finally:
-        first.close()
 
 
 def test_within_first_s_turn_a_release_rings_nobody_and_frees_the_name(two: Any) -> None:
@@ -144,10 +153,7 @@ def test_within_first_s_turn_a_release_rings_nobody_and_frees_the_name(two: Any)
 
 def test_after_the_turn_the_release_reserves_the_name_for_first(two: Any) -> None:
     path, a, b = two
-    lock = a.lock("job", ttl="30s")
-    assert lock.acquire(wait=0)
-    first = _room_waiter(path, "job")
-    try:
+    with _held_with_first(path, a) as (lock, first):
         _mark_rung(first, sqlite_store.TURN_MS / 1000 + 1.0)  # its turn is over
         assert lock.release() is True  # ours, and live: kept for first
         assert _rung(first)
@@ -158,16 +164,12 @@ def test_after_the_turn_the_release_reserves_the_name_for_first(two: Any) -> Non
         assert again.acquire(wait=0) is False  # nobody barges past a reservation
         assert again.holder is None  # nobody's lease: no holder to name
         assert b.inspect("job") is None and list(b.list()) == []  # nor shown as one
-    finally:
-        first.close()
 
 
 def test_a_first_that_waited_long_gets_a_reservation_without_a_turn(two: Any) -> None:
     path, a, _ = two
-    lock = a.lock("job", ttl="30s")
-    assert lock.acquire(wait=0)
-    first = _room_waiter(path, "job", came_ago=sqlite_store.STARVED_MS / 1000 + 1.0)
-    try:
+    came_ago = sqlite_store.STARVED_MS / 1000 + 1.0
+    with _held_with_first(path, a, came_ago) as (lock, first):
         lock.release()  # never rung, but starved: served now
         assert _rung(first)
         assert [owner for owner, _ in _reservations(path)] == [
@@ -177,8 +179,6 @@ def test_a_first_that_waited_long_gets_a_reservation_without_a_turn(two: Any) ->
             conn.execute("UPDATE latchkey_locks SET expires_at = expires_at - 600000")
             conn.commit()
         assert a.lock("job", ttl="30s").acquire(wait=0)  # then anyone may take the name
-    finally:
-        first.close()
 
 
 def test_a_reservation_for_a_waiter_whose_process_is_gone_is_undone(two: Any) -> None:
