@@ -359,6 +359,16 @@ class Backend(BackendBase, abc.ABC):
         """Release connections. Leases held through this backend may end (session stores)."""
 
 
+def woken(event: threading.Event, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``event``; whether it was set, clearing it then. It
+    is cleared only when it woke us: a set just after a timed-out wait stays for the next
+    wait (clearing it lost that wake-up, and a PostgreSQL hand-over with it)."""
+    woke = event.wait(max(0.0, timeout))
+    if woke:
+        event.clear()
+    return woke
+
+
 class EventWaiter(Waiter):
     """A waiter woken by a :class:`threading.Event` (for in-process notification)."""
 
@@ -367,10 +377,7 @@ class EventWaiter(Waiter):
         self._on_close = on_close
 
     def wait(self, timeout: float) -> bool:
-        woke = self.event.wait(max(0.0, timeout))
-        if woke:  # cleared only when it woke us: a set just after a timeout is kept
-            self.event.clear()
-        return woke
+        return woken(self.event, timeout)
 
     def close(self) -> None:
         if self._on_close is not None:

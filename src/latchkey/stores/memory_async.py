@@ -9,6 +9,7 @@ from datetime import datetime
 from latchkey._types import Busy, Grant, LockInfo
 from latchkey._url import StoreURL
 from latchkey.stores.base import AsyncBackend, AsyncWaiter
+from latchkey.stores.io.aio import awoken
 from latchkey.stores.memory import MemoryBackend
 
 
@@ -18,12 +19,7 @@ class _AsyncEventWaiter(AsyncWaiter):
         self._unsubscribe = unsubscribe
 
     async def wait(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self.event.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
-            return False
-        self.event.clear()
-        return True
+        return await awoken(self.event, timeout)
 
     async def close(self) -> None:
         self._unsubscribe()

@@ -56,6 +56,21 @@ else:  # pragma: no cover - 3.10
         return await asyncio.wait_for(aw, max(seconds, 0.0))
 
 
+async def awoken(event: asyncio.Event, timeout: float) -> bool:
+    """The asyncio twin of ``stores.base.woken``: wait up to ``timeout`` seconds for
+    ``event``; whether it was set, clearing it then. Read from the event after the wait, never
+    from how the wait ended: a timed wait can end by its timer with the event set (at once
+    with a timeout of 0, or when the timer and the set fall in one turn of the loop), and
+    clearing it then lost the wake-up. No set can come between the read and the clear (one
+    thread, no await)."""
+    if not event.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await bounded(event.wait(), max(0.0, timeout))
+    woke = event.is_set()
+    event.clear()
+    return woke
+
+
 async def to_the_end(request: Awaitable[T]) -> T:
     """Await a request that may grant leases; if the caller is cancelled meanwhile, let the
     request finish first (the driver's timeout bounds it), then pass the cancellation on.

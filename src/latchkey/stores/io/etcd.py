@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import httpx
 
 from latchkey.errors import ConfigError
-from latchkey.stores.base import Waiter
+from latchkey.stores.base import Waiter, woken
 from latchkey.stores.io import Driver, after_fork
 
 if TYPE_CHECKING:
@@ -451,10 +451,7 @@ class DeleteWaiter(Waiter):
         if event is None or self.shared.broken:
             time.sleep(max(0.0, timeout))  # the watch broke (etcd restarted, say): poll
             return False
-        woke = event.wait(max(0.0, timeout))
-        if woke:  # cleared only when it woke us: a set just after a timeout is kept
-            event.clear()
-        return woke and not self.shared.broken
+        return woken(event, timeout) and not self.shared.broken
 
     def close(self) -> None:
         event, self.event = self.event, None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from latchkey.stores.base import AsyncWaiter
-from latchkey.stores.io.aio import AsyncDriver, to_the_end
+from latchkey.stores.io.aio import AsyncDriver, awoken, to_the_end
 from latchkey.stores.io.etcd import (
     ERRORS,
     NOT_SENT,
@@ -206,12 +206,7 @@ class AsyncDeleteWaiter(AsyncWaiter):
         if event is None or self.shared.broken:
             await asyncio.sleep(max(0.0, timeout))  # the watch broke: poll
             return False
-        try:
-            await asyncio.wait_for(event.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
-            return False
-        event.clear()
-        return not self.shared.broken
+        return await awoken(event, timeout) and not self.shared.broken
 
     async def close(self) -> None:
         event, self.event = self.event, None

@@ -47,7 +47,7 @@ from kazoo.protocol.states import EventType
 from kazoo.retry import KazooRetry
 
 from latchkey._types import Grant
-from latchkey.stores.base import Waiter
+from latchkey.stores.base import Waiter, woken
 from latchkey.stores.io import Driver, after_fork
 
 if TYPE_CHECKING:
@@ -319,10 +319,7 @@ class LineWaiter(Waiter):
         self.event.set()
 
     def wait(self, timeout: float) -> bool:
-        woke = self.event.wait(max(0.0, timeout))
-        if woke:  # cleared only when it woke us: a set just after a timeout is kept
-            self.event.clear()
-        return woke
+        return woken(self.event, timeout)
 
     def finish(self, result: Any) -> None:
         self.granted = isinstance(result, Grant)

@@ -29,7 +29,7 @@ from kazoo.handlers.threading import KazooTimeoutError
 
 from latchkey._types import Grant
 from latchkey.stores.base import AsyncWaiter
-from latchkey.stores.io.aio import AsyncDriver, bounded
+from latchkey.stores.io.aio import AsyncDriver, awoken, bounded
 from latchkey.stores.io.kazoo import (
     ERRORS,
     OUTCOMES,
@@ -198,11 +198,7 @@ class AsyncLineWaiter(AsyncWaiter):
             self.loop.call_soon_threadsafe(self.event.set)
 
     async def wait(self, timeout: float) -> bool:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await bounded(self.event.wait(), max(0.0, timeout))
-        woke = self.event.is_set()  # after the wait: a set as it timed out is not lost
-        self.event.clear()
-        return woke
+        return await awoken(self.event, timeout)
 
     async def finish(self, result: Any) -> None:
         self.granted = isinstance(result, Grant)

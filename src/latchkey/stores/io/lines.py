@@ -22,14 +22,14 @@ forked child starts with empty lines: the parent's waiters are not its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import threading
 from collections.abc import Iterable
 from typing import Any
 
 from latchkey._types import Busy, Grant
-from latchkey.stores.base import AsyncWaiter, Waiter
+from latchkey.stores.base import AsyncWaiter, Waiter, woken
+from latchkey.stores.io.aio import awoken
 
 #: ``ahead`` counts at most this many waiters (the core's poll stops growing well before).
 AHEAD_COUNTED = 64
@@ -102,10 +102,7 @@ class LineWaiter(Waiter):
         self.granted = False
 
     def wait(self, timeout: float) -> bool:
-        woke = self.event.wait(max(0.0, timeout))
-        if woke:  # cleared only when it woke us: a set just after a timeout is kept
-            self.event.clear()
-        return woke
+        return woken(self.event, timeout)
 
     @property
     def ahead(self) -> int:
@@ -147,11 +144,7 @@ class AsyncLineWaiter(AsyncWaiter):
         self.granted = False
 
     async def wait(self, timeout: float) -> bool:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.event.wait(), max(0.0, timeout))
-        woke = self.event.is_set()  # after the wait: a set as it timed out is not lost
-        self.event.clear()
-        return woke
+        return await awoken(self.event, timeout)
 
     @property
     def ahead(self) -> int:

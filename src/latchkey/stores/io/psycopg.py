@@ -54,7 +54,7 @@ from psycopg import sql
 from latchkey._types import Busy, Grant
 from latchkey._url import DriverOptions, Option, StoreURL, choice, known_to
 from latchkey.errors import ConfigError, StoreUnavailable
-from latchkey.stores.base import EventWaiter, Waiter
+from latchkey.stores.base import EventWaiter, Waiter, woken
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, after_fork, drive, psycopg_green
 from latchkey.stores.io.pgconnect import connect_pgconn
 from latchkey.stores.io.watchdog import WATCHDOG
@@ -607,10 +607,8 @@ class HandoffWaiter(EventWaiter):
         self.event.set()
 
     def wait(self, timeout: float) -> bool:
-        woke = self.event.wait(max(0.0, timeout)) or self.grant is not None
-        if woke:  # (a notice after a timed-out wait stays set: the next wait returns at once)
-            self.event.clear()
-        return woke
+        pending = self.grant is not None  # handed the lease already: no need to wait
+        return woken(self.event, 0.0 if pending else timeout) or pending
 
     def take_grant(self) -> Grant | None:
         if self.grant is not None:

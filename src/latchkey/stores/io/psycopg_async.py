@@ -41,7 +41,7 @@ from latchkey.stores.io.aio import (
     AsyncPinned,
     AsyncPool,
     adrive,
-    bounded,
+    awoken,
     cut_after,
 )
 from latchkey.stores.io.pgconnect import Resolve, Wait, addresses, connecting
@@ -78,8 +78,6 @@ T = TypeVar("T")
 MARGIN = 1.0
 #: What a failed network await raises: the driver's errors, or our local deadline.
 NET_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, asyncio.TimeoutError)
-#: Await for at most so many seconds (asyncio.TimeoutError after that).
-guarded = bounded
 
 
 Conn = psycopg.AsyncConnection[Any]
@@ -340,12 +338,8 @@ class AsyncHandoffWaiter(AsyncWaiter):
         the event set (at once with a timeout of 0; or when its timer and the set fall in one
         turn of the loop), and clearing it then lost the wake-up and left a handed-over lease
         untaken until it expired."""
-        if not self.event.is_set() and self.grant is None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await guarded(self.event.wait(), max(0.0, timeout))
-        woke = self.event.is_set() or self.grant is not None
-        self.event.clear()  # (no set can come between: one thread, no await)
-        return woke
+        pending = self.grant is not None  # handed the lease already: no need to wait
+        return await awoken(self.event, 0.0 if pending else timeout) or pending
 
     async def take_grant(self) -> Grant | None:
         if self.grant is not None:
