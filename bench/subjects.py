@@ -529,7 +529,9 @@ class RawMySameSQL:
         texts = [
             t.replace("{t}", "bench_same_sql")
             # every statement latchkey's setup prepares (PREPARE names three)
-            for t in (mysql.ACQUIRE_RETURNING, mysql.RELEASE_PREPARED, mysql.CLAIM_ROW_PREPARED)
+            for t in (
+                mysql.ACQUIRE_RETURNING, mysql.MySQL.RELEASE_PREPARED, mysql.CLAIM_ROW_PREPARED
+            )
         ]
         self.cur.execute(mysql.PREPARE, texts)
         while self.cur.nextset():
@@ -538,6 +540,9 @@ class RawMySameSQL:
         self.execute_acquire = (
             "EXECUTE latchkey_acquire USING %(name)s, %(owner)s, %(info)s, %(ttl_us)s, %(owner)s"
         )
+        from latchkey.stores.mysql_bells import EXECUTE_RELEASE
+
+        self.execute_release = EXECUTE_RELEASE
 
     def take(self, name: str, owner: str) -> bool:
         params = {"name": name.encode(), "owner": owner, "info": self.info, "ttl_us": 30_000_000}
@@ -546,7 +551,10 @@ class RawMySameSQL:
         return bool(rows) and str(rows[0][0]).startswith("1")
 
     def give_back(self, name: str, owner: str) -> None:
-        self.cur.execute("EXECUTE latchkey_release USING %s, %s", (name.encode(), owner))
+        # latchkey's release as it sends it uncontended: quiet, no bell, nobody's heir
+        self.cur.execute(self.execute_release, (name.encode(), owner, 0, 0, 1))
+        while self.cur.nextset():
+            pass
 
     def make(self, name: str) -> Handle:
         return RawSameSQLHandle(self, name)
@@ -630,7 +638,10 @@ class RawMySameSQLArgs(RawMySameSQL):
         return bool(rows) and str(rows[0][0]).startswith("1")
 
     def give_back(self, name: str, owner: str) -> None:
-        self.cur.execute("EXECUTE latchkey_release USING %s, %s", (name.encode(), owner))
+        # latchkey's release as it sends it uncontended: quiet, no bell, nobody's heir
+        self.cur.execute(self.execute_release, (name.encode(), owner, 0, 0, 1))
+        while self.cur.nextset():
+            pass
 
 
 register(

@@ -10,6 +10,7 @@ always MariaDB (Debian has no MySQL 8).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 
 import latchkey
 from latchkey._core import waiting
+from latchkey._types import Busy, Grant
 from latchkey.stores import open_backend
 from latchkey.stores.io.mysql_dsn import connect_args
 from latchkey.stores.mysql import MySQLBackend
@@ -183,7 +185,8 @@ def test_a_dead_process_bell_is_passed_over(
     store = connect(store_url)
     holder = store.lock("d", ttl="60s")
     assert holder.acquire()
-    sql("INSERT INTO {t}_bells VALUES (%s, @@server_id, 4000000000, '2000-01-01')", b"d")
+    sql("INSERT INTO {t}_bells (name, server, conn, since) "
+        "VALUES (%s, @@server_id, 4000000000, '2000-01-01')", b"d")
     waiter = _spawn(WAITER, store_url, "d")
     try:
         eventually(lambda: _bells(sql, "d") == 2, what="the live bell behind the dead one")
@@ -314,3 +317,268 @@ def test_one_process_waiting_for_two_names_is_rung_for_each(
     finally:
         for proc in holders:
             _stop(proc)
+
+
+# -- hand-over: the release that rings a bell hands the lease to its heir, in its own commit --
+
+HEIR = "e" * 32
+INFO = '{"host": "heir"}'
+
+
+@pytest.fixture
+def fake_bell(sql: Callable[..., Any], store_url: str) -> Iterator[Any]:
+    """A bell of a process that is not latchkey: a raw connection sleeping in the server, put
+    in ``name``'s line naming ``heir`` (its TTL 5 s). Returns its connection id; ``rung``
+    (an attribute of the fixture function) is set when a KILL ends its sleep."""
+    backend = open_backend(store_url)
+    assert isinstance(backend, MySQLBackend)
+    conn = pymysql.connect(**connect_args(backend))
+    backend.close()
+    with conn.cursor() as cur:
+        cur.execute("SELECT CONNECTION_ID()")
+        (conn_id,) = cur.fetchone()
+    rung = threading.Event()
+
+    def sleep() -> None:
+        with conn.cursor() as cur, contextlib.suppress(pymysql.err.OperationalError):
+            cur.execute("SELECT SLEEP(60)")
+            return  # slept it out: never rung
+        rung.set()
+
+    thread = threading.Thread(target=sleep, daemon=True)
+    thread.start()
+
+    def put(name: str, heir: str | None) -> int:
+        sql("INSERT INTO {t}_bells (name, server, conn, since, heir, info, ttl) "
+            "VALUES (%s, @@server_id, %s, UTC_TIMESTAMP(6), %s, %s, 5000000)",
+            name.encode(), conn_id, heir, INFO if heir else None)  # fmt: skip
+        sql("UPDATE {t} SET waited = 1 WHERE name = %s", name.encode())
+        return int(conn_id)
+
+    put.rung = rung  # type: ignore[attr-defined]
+    yield put
+    with contextlib.suppress(Exception):
+        sql(f"KILL CONNECTION {int(conn_id)}")
+    thread.join(5)
+    conn.close()
+
+
+def _row(sql: Callable[..., Any], name: str) -> tuple[Any, ...] | None:
+    rows = sql("SELECT owner, token, owner_info, TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), "
+               "expires_at) FROM {t} WHERE name = %s AND slot = 0", name.encode())  # fmt: skip
+    return tuple(rows[0]) if rows else None
+
+
+def test_a_release_hands_the_lease_to_the_first_bells_heir_in_its_own_commit(
+    store_url: str, sql: Callable[..., Any], fake_bell: Any
+) -> None:
+    """When the release returns, the lease is the heir's — a newer fencing token, the heir's
+    JSON and TTL — and the heir's bell has been rung and taken out of the line."""
+    with latchkey.connect(store_url) as store:
+        lock = store.lock("h", ttl="60s")
+        assert lock.acquire()
+        fake_bell("h", HEIR)
+        assert lock.release()
+        owner, token, info, micros = _row(sql, "h") or (None, 0, None, 0)
+        assert owner == HEIR and int(token) > (lock.token or 0)
+        assert str(info if isinstance(info, str) else info.decode()) == INFO
+        assert 0 < int(micros) <= 5_000_000
+        assert _bells(sql, "h") == 0
+        assert fake_bell.rung.wait(RUNG_WITHIN)
+        info_h = store.inspect("h")
+        # a live lease: nobody else can take the name
+        assert info_h is not None and [h.token for h in info_h.holders] == [int(token)]
+
+
+def test_a_release_hands_nothing_to_a_gone_process_and_rings_the_next(
+    store_url: str, sql: Callable[..., Any], fake_bell: Any
+) -> None:
+    """The first bell's process is gone (its KILL fails): the hand-over to its heir is undone
+    in the same transaction and the next bell is rung; the name is free, its lease nobody's."""
+    with latchkey.connect(store_url) as store:
+        lock = store.lock("g", ttl="60s")
+        assert lock.acquire()
+        sql("INSERT INTO {t}_bells (name, server, conn, since, heir, info, ttl) "
+            "VALUES (%s, @@server_id, 4000000000, '2000-01-01', %s, '{}', 5000000)",
+            b"g", "d" * 32)  # fmt: skip
+        fake_bell("g", None)
+        assert lock.release()
+        assert fake_bell.rung.wait(RUNG_WITHIN)  # the next bell, rung
+        assert store.inspect("g") is None
+        assert sql("SELECT * FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)",
+                   b"g") == ()  # fmt: skip
+        assert _bells(sql, "g") == 0
+
+
+def _mariadb(store_url: str) -> MySQLBackend:
+    """A sync backend of the store, connected (it knows the server is MariaDB: bells)."""
+    backend = open_backend(store_url)
+    assert isinstance(backend, MySQLBackend)
+    backend.init()
+    return backend
+
+
+def _waiting(backend: MySQLBackend, name: str, owner: str) -> Any:
+    """A blocked acquire's waiter, as the core makes it (``wait_in_line``): this process's
+    bell in ``name``'s line, naming ``owner`` as heir if it is the first."""
+    return backend.wait_in_line(name, owner, INFO, 30.0, 1)
+
+
+def _heirs(sql: Callable[..., Any], name: str) -> list[str | None]:
+    return [row[0] for row in sql("SELECT heir FROM {t}_bells WHERE name = %s", name.encode())]
+
+
+def test_a_heir_handed_the_lease_as_its_wait_ran_out_passes_it_on(
+    store_url: str, sql: Callable[..., Any]
+) -> None:
+    """A release hands the lease to a waiter whose wait is ending without it (the race at its
+    timeout): the waiter's close gives it back — the name is free again, not held by an
+    owner nobody will use until its TTL."""
+    backend = _mariadb(store_url)
+    with latchkey.connect(store_url) as holder_store:
+        holder = holder_store.lock("t", ttl="60s")
+        assert holder.acquire()
+        waiter = _waiting(backend, "t", HEIR)
+        try:
+            assert _heirs(sql, "t") == [HEIR]
+            assert holder.release()
+            assert (_row(sql, "t") or ("",))[0] == HEIR  # handed over
+        finally:
+            waiter.finish(Busy(1))  # the wait's outcome: it ran out
+            waiter.close()
+        assert sql("SELECT * FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)",
+                   b"t") == ()  # fmt: skip
+        assert _bells(sql, "t") == 0
+    backend.close()
+
+
+def test_the_bell_names_the_next_waiter_of_the_process_when_the_first_leaves(
+    store_url: str, sql: Callable[..., Any]
+) -> None:
+    backend = _mariadb(store_url)
+    with latchkey.connect(store_url) as holder_store:
+        holder = holder_store.lock("n", ttl="60s")
+        assert holder.acquire()
+        first = _waiting(backend, "n", HEIR)
+        second = _waiting(backend, "n", "f" * 32)
+        assert _heirs(sql, "n") == [HEIR]  # one bell per process, naming its first waiter
+        first.finish(Busy(1))
+        first.close()
+        assert _heirs(sql, "n") == ["f" * 32]
+        assert holder.release()
+        assert (_row(sql, "n") or ("",))[0] == "f" * 32  # handed to the second
+        second.finish(Busy(1))
+        second.close()  # (and gives it back: it ran out too)
+        assert sql("SELECT * FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)",
+                   b"n") == ()  # fmt: skip
+    backend.close()
+
+
+def test_a_heir_whose_wait_failed_gives_its_lease_back_at_its_next_acquire(
+    store_url: str, sql: Callable[..., Any]
+) -> None:
+    """A wait that ends by an error adds no round trip (its caller gets the error within its
+    timeout): a lease handed to it meanwhile is released by the owner's next acquire, before
+    that acquire's own attempt — never returned to the caller as if won by it."""
+    backend = _mariadb(store_url)
+    with latchkey.connect(store_url) as holder_store:
+        holder = holder_store.lock("o", ttl="60s")
+        assert holder.acquire()
+        waiter = _waiting(backend, "o", HEIR)
+        assert holder.release()
+        handed = int((_row(sql, "o") or ("", 0))[1])
+        waiter.close()  # no finish: the wait raised
+        assert ("o", HEIR) in backend.store.orphans
+        grant = backend.acquire("o", HEIR, INFO, 30.0, 1)
+        assert isinstance(grant, Grant) and grant.token > handed
+        assert not backend.store.orphans
+    backend.close()
+
+
+def test_a_heir_that_took_the_name_itself_is_named_no_more_once_it_releases(
+    store_url: str, sql: Callable[..., Any], fake_bell: Any
+) -> None:
+    """A waiter named heir wins the name by its own attempt (a barge) while another process
+    waits behind: its release does not hand the lease to itself, and stops its bell naming
+    it, so no later release hands a lease to an owner that no longer waits."""
+    backend = _mariadb(store_url)
+    waiter = _waiting(backend, "b", HEIR)  # the name is free: the core's next attempt wins
+    grant = backend.acquire("b", HEIR, INFO, 30.0, 1)
+    assert isinstance(grant, Grant)
+    fake_bell("b", "f" * 32)  # another process waits behind ours
+    assert backend.release("b", HEIR)  # our bell is first: it rings this process, no hand-over
+    assert sql("SELECT * FROM {t} WHERE name = %s AND expires_at > UTC_TIMESTAMP(6)",
+               b"b") == ()  # fmt: skip
+    assert HEIR not in _heirs(sql, "b")
+    with latchkey.connect(store_url) as other, other.lock("b", ttl="60s"):
+        pass  # the next holder's release hands over to the other process's waiter
+    assert (_row(sql, "b") or ("",))[0] == "f" * 32
+    waiter.finish(grant)
+    waiter.close()
+    backend.close()
+
+
+def test_an_asyncio_waiter_cancelled_leaves_the_line_at_once(
+    store_url: str, sql: Callable[..., Any]
+) -> None:
+    """A cancel (``asyncio.timeout`` around an acquire) is no store failure: the waiter takes
+    its bell out of the line (and would give back a lease handed to it) before it returns."""
+    import asyncio
+
+    from latchkey.stores import open_async_backend
+
+    async def main() -> None:
+        backend = open_async_backend(store_url)
+        await backend.init()
+        try:
+            with latchkey.connect(store_url) as holder_store:
+                holder = holder_store.lock("c", ttl="60s")
+                assert holder.acquire()
+                waiter = await backend.wait_in_line("c", HEIR, INFO, 30.0, 1)
+                assert _heirs(sql, "c") == [HEIR]
+                task = asyncio.ensure_future(waiter.wait(30.0))
+                await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await waiter.close()
+                assert _bells(sql, "c") == 0
+                assert holder.release()
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_waiter_is_named_heir_only_for_a_mutex_it_can_be_handed() -> None:
+    from latchkey.stores.mysql_bells import heir_of
+    from latchkey.stores.mysql_tables import INFO_MAX
+
+    assert heir_of("o" * 32, "{}", 1.5, 1) == ("o" * 32, "{}", 1_500_000)
+    assert heir_of("o" * 32, "{}", 1.5, 2) is None  # a semaphore's waiter: rung only
+    assert heir_of("", "", 0.0, 1) is None  # a rows subscriber
+    assert heir_of("o" * 32, "x" * (INFO_MAX + 1), 1.5, 1) is None  # too long for the table
+
+
+def test_a_bells_table_made_before_the_hand_over_gets_its_heir_columns(
+    store_url: str, sql: Callable[..., Any]
+) -> None:
+    """Tables made by latchkey 0.2 (bells without ``heir``, ``info``, ``ttl``): the first
+    connection that finds them so adds the columns, and a release hands over as here."""
+    from latchkey.stores.mysql_tables import INFO_MAX, SCHEMA_VERSION
+
+    old = "old_" + os.urandom(4).hex()
+    create = CREATE.format(t=old, version=SCHEMA_VERSION, info_max=INFO_MAX)
+    heir_lines = [line for line in create.splitlines() if line.split()[:1] in (["heir"],
+                                                                                 ["info"], ["ttl"])]
+    assert len(heir_lines) == 3
+    for line in heir_lines:
+        create = create.replace(line + "\n", "")
+    for statement in create.split(";\n"):  # (a statement ends a line; comments hold ";")
+        if statement.strip():
+            sql(statement)
+    assert "heir" not in {row[0] for row in sql(f"SHOW COLUMNS FROM {old}_bells")}
+    url = with_query(store_url, table=old)
+    with latchkey.connect(url) as store, store.lock("x") as lock:
+        assert lock.token
+        assert {"heir", "info", "ttl"} <= {row[0] for row in sql(f"SHOW COLUMNS FROM {old}_bells")}

@@ -50,7 +50,7 @@ from latchkey.stores.base import BackendBase, Capabilities
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, store_connect_args
 from latchkey.stores.io.mysql_session import SESSION, Contended, Duplicate
-from latchkey.stores.mysql_bells import RELEASE_QUIET, Bells, ours_marked
+from latchkey.stores.mysql_bells import Bells, heir_of, ours_marked
 from latchkey.stores.mysql_tables import Tables
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
@@ -163,7 +163,7 @@ EXECUTE_CLAIM_ROW = "\nEXECUTE latchkey_claim_row USING %s;"
 
 # Ends our live lease. In: name, owner. Rowcount 1 if it was live; never another owner's row.
 # An expired row of ours is left for the next taker or purge (it is already free). MariaDB
-# releases with RELEASE_QUIET instead (prepared per connection: mysql_bells.py).
+# releases with mysql_bells.RELEASE instead (prepared per connection).
 RELEASE = "DELETE FROM {t} WHERE name = %s AND owner = %s AND expires_at > UTC_TIMESTAMP(6)"
 # Ends our live leases on many names. In: owner, names. Rowcount: how many were live.
 RELEASE_MANY = (
@@ -214,7 +214,7 @@ SELECT_NOW = "SELECT UTC_TIMESTAMP(6)"
 # MariaDB: the hot statements, prepared at connect (names are per session). MariaDB's EXECUTE
 # takes literal values (MySQL's only user variables), which the driver escapes as it does any
 # parameter. The prepared text is itself a parameter of PREPARE. In: the three statement
-# texts.
+# texts (the release's: mysql_bells.RELEASE, a compound statement).
 PREPARE = (
     "PREPARE latchkey_acquire FROM %s; PREPARE latchkey_release FROM %s; "
     "PREPARE latchkey_claim_row FROM %s"
@@ -222,8 +222,6 @@ PREPARE = (
 # Positional parameters (a tuple is escaped with less work than a dict). In: name, owner,
 # info, ttl_us, owner.
 EXECUTE_ACQUIRE_ARGS = "EXECUTE latchkey_acquire USING %s, %s, %s, %s, %s"
-# In: name, owner.
-EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s"
 
 
 def utc(value: datetime) -> datetime:
@@ -244,7 +242,7 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
     ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT = ACQUIRE, ACQUIRE_RETURNING, ACQUIRE_SLOT
     CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND = CLAIM, CLAIM_ROW, RELEASE_MANY, EXTEND
     RELEASE_FENCED = RELEASE_FENCED
-    RELEASE_QUIET, CLAIM_ROW_PREPARED = RELEASE_QUIET, CLAIM_ROW_PREPARED
+    CLAIM_ROW_PREPARED = CLAIM_ROW_PREPARED
 
     def __init__(self, backend: BackendBase) -> None:
         super().__init__(backend)
@@ -257,7 +255,7 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
         self.prepared = "mariadb" in server_version.lower()
         steps = [Query(SESSION, (self.lock_wait_timeout(),)), self.tables()]
         if self.prepared:
-            texts = (self.ACQUIRE_RETURNING, self.RELEASE_QUIET, self.CLAIM_ROW_PREPARED)
+            texts = (self.ACQUIRE_RETURNING, self.RELEASE_PREPARED, self.CLAIM_ROW_PREPARED)
             steps += [self.add_waited(), Query(PREPARE, texts)]
         return steps
 
@@ -279,6 +277,8 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
+        if self.orphans and (name, owner) in self.orphans:
+            yield from self.given_back(name, owner)  # handed to a wait that had failed
         if limit == 1 and self.prepared:  # a tuple is cheaper to escape than a dict
             query = Query(EXECUTE_ACQUIRE_ARGS, (name.encode(), owner, owner_info, _us(ttl), owner))
         else:
@@ -305,11 +305,10 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
         if not self.prepared:
             _, count = yield Query(self.RELEASE, (name.encode(), owner))
             return bool(count > 0)
-        if not self.marked.pop((name, owner), False):
-            _, count = yield Query(EXECUTE_RELEASE, (name.encode(), owner))
-            if count > 0:
-                return True  # no one waited
-        return (yield from self.release_ringing(name, owner))  # marked, or not ours
+        # Quiet first (a plain DELETE, in the same statement) unless the lease was taken over
+        # marked, or a bell of ours may still name us as its heir.
+        quiet = not self.marked.pop((name, owner), False) and self.heirs.get(name) != owner
+        return (yield from self.release_ringing(name, owner, quiet))
 
     def extend(self, name: str, owner: str, ttl: float) -> Steps[Grant | None]:
         params = {"name": name.encode(), "owner": owner, "ttl_us": _us(ttl)}
@@ -374,7 +373,7 @@ class MySQLBackend(StoreBackend):
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
         if bell is None:
             return super().wait_in_line(name, owner, owner_info, ttl, limit)
-        return bell.join(name)
+        return bell.join(name, heir_of(owner, owner_info, ttl, limit))
 
 
 class AsyncMySQLBackend(AsyncStoreBackend):
@@ -384,7 +383,7 @@ class AsyncMySQLBackend(AsyncStoreBackend):
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
         if bell is None:
             return await super().wait_in_line(name, owner, info, ttl, limit)
-        return await bell.join(name)
+        return await bell.join(name, heir_of(owner, info, ttl, limit))
 
 
 def _text(value: str | bytes) -> str:

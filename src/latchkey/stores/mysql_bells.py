@@ -1,4 +1,5 @@
-"""MariaDB's bells: a release wakes a waiting process at once, instead of its next poll.
+"""MariaDB's bells: a release wakes a waiting process at once, instead of its next poll, and
+hands the lease to that process's first waiter in its own commit.
 
 MariaDB has no server push (no LISTEN/NOTIFY), but one session can end another's statement:
 ``KILL QUERY <connection id>`` ends a ``SELECT SLEEP(n)`` at once with error 1317. A process
@@ -6,31 +7,48 @@ that waits for a name keeps one *bell*, a connection of its own that sleeps in t
 (:mod:`latchkey.stores.io.mysql_bell`), and puts it in the ``{t}_bells`` table (a MEMORY
 table: no disk write, emptied by a restart, as the connection ids are) once per name, in the
 order processes came; it also marks the live lease ``waited``. A release of a lease so
-marked takes the first bell of its name out of the table and KILLs its query: one more
-round trip, only when someone waits. The woken process's first waiter then tries at once.
+marked takes the first bell of its name out of the table and KILLs its query. Only when
+someone waits does a release do more than its plain ``DELETE``; it stays one round trip.
 
-How no wake-up is lost, and why the uncontended path costs nothing:
+**Hand-over.** The bell also names its *heir*: the owner, JSON and TTL of its process's first
+waiter of the name (a mutex's; a semaphore's waiters and the rows' subscribers are only
+rung). The release that rings that bell takes its live lease over for the heir in the same
+transaction (:data:`HAND_OVER`: a fresh fencing token, the heir's TTL), so a hand-off costs
+one commit, not two (the release's, then the woken waiter's upsert): the waiter's attempt
+waits for the release's row lock and finds its own live lease. The heir is kept current by
+the process (:class:`~latchkey.stores.io.mysql_bell.BellState`): when its first waiter
+leaves, the bell names the next one, or leaves the line.
 
-- The plain release is the one prepared ``DELETE``, with ``AND waited = 0``: a lease no one
-  waited for ends as before (a statement of the same cost). Only when it ends nothing (the
-  lease was marked, or is not ours any more) does :data:`RING_RELEASE` run.
+How no wake-up and no lease is lost, and why the uncontended path costs nothing:
+
+- A release is one prepared compound statement (:data:`RELEASE`) whose first step is the
+  plain ``DELETE … AND waited = 0``: a lease no one waited for ends as before. Only when that
+  ends nothing (the lease was marked, or is not ours) does the rest run. A holder that took
+  its lease over marked (the acquire's answer says) skips the plain step.
 - A waiter marks the live lease *after* putting its bell in, and the core tries again after
   that (``wait_in_line``): a release before the mark is seen by that attempt; one after it
   finds the mark and rings.
-- A marked lease is not deleted while a bell waits for its name: its row is made expired
-  (free) and keeps ``waited = 1``, so the woken waiter's upsert takes it over marked, and
-  its release rings the next bell. The last release, with no bell left, deletes the row.
-- The holder learns at acquire whether the row it took over was marked (the acquire's
-  answer says), and then releases with :data:`RING_RELEASE` straight away.
+- A marked lease is not deleted while a bell waits for its name: it is handed to the heir,
+  or (no heir) made expired and kept with its mark, so the woken waiter's upsert takes it
+  over marked; either way its release rings the next bell. The last release, with no bell
+  left, deletes the row.
 - A bell taken out of the table by a ring is put back (at the end of the line) by its
   process before it sleeps again (``Bell.register`` at the next ``wait``), and its waiter
   tries once more after that, as after the first time.
+- A heir whose wait ends without the lease may have been handed it meanwhile: once its bell
+  no longer names it, it releases that lease (:meth:`Bells.given_back`), which passes it on.
+  A wait that ended by a store error leaves that to the owner's next acquire (``orphans``).
+  A heir that took the name by its own attempt (barging) is still named until its release,
+  which stops that (the ``heir`` flag of :data:`RELEASE`): no lease is handed to its holder.
+- A hand-over to a bell whose connection is gone (its process died: the KILL fails with
+  1094) is undone in the same transaction (the lease made expired: free), and the next bell
+  is rung.
 
-It is only a wake-up: correctness never depends on it. A ring that is lost (a bell between
-two sleeps, a process that died with its bell in the table, a user not allowed to KILL
-another's query, leases ended by expiry, a batch release or a purge) leaves the waiter to
-the core's own polls, capped by the holder's remaining lease. A KILL of a connection that is
-gone (error 1094) removes its bells and rings the next. Bells name the server
+The ring is only a wake-up, and the hand-over only saves a commit: correctness never depends
+on either. A ring that is lost (a bell between two sleeps, a user not allowed to KILL
+another's query, leases ended by expiry, a batch release or a purge) leaves the waiter to the
+core's own polls, capped by the holder's remaining lease; a lease handed to a waiter that
+never takes it (its process stopped) ends by its TTL, as any holder's. Bells name the server
 (``@@server_id``): after a failover a replicated row never rings a connection of another
 server. MySQL keeps polling (its ``SLEEP`` ends with 1 instead of an error, untested here).
 """
@@ -43,48 +61,113 @@ from typing import Any, ClassVar, Protocol
 
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_session import NotPermitted, Refused, ThreadGone
+from latchkey.stores.mysql_tables import INFO_MAX
 from latchkey.stores.sql import Query
 
-# MariaDB's plain release, prepared per connection: ends our live lease only if no one waits
-# for it (``waited = 0``). In (?): name, owner. Rowcount 1: ended; 0: RING_RELEASE decides.
-RELEASE_QUIET = (
-    "DELETE FROM {t} WHERE name = ? AND owner = ? AND expires_at > UTC_TIMESTAMP(6) "
-    "AND waited = 0"
-)
+# MariaDB's release, prepared per connection (a compound statement: parsed once), one round
+# trip in every case. ``quiet``: first the plain DELETE of our live lease if no one waits
+# (``waited = 0``); if it ended it, that is all (no result set). Otherwise, in one
+# transaction: no bell waits for the name: our live lease is deleted. Else the first bell
+# is taken out of the line and its sleep KILLed before the COMMIT, and:
+# - if it names an heir (its process's first waiter: owner, JSON, TTL), our live lease is
+#   handed to the heir by one upsert (HAND_OVER): a new fencing token (its AUTO_INCREMENT
+#   draw, as an acquire's), the heir's TTL. The grant is this one commit: the woken
+#   waiter's attempt waits for our row lock, then finds its own live lease (no write). If
+#   the KILL finds the bell's connection gone (its process died), the handed lease is made
+#   expired again (free) and the caller rings the next bell;
+# - else (or if our lease is not slot 0's) our live lease is made expired, kept with its
+#   mark for the woken waiter's upsert to take over.
+# Our own bell (``me``) is not KILLed: the caller rings this process's line. ``heir``: a bell
+# of ours may name us as its heir (we barged while it named us): it stops. In (?): name,
+# owner, me, heir, quiet. Out: none (the quiet DELETE ended our lease), or one row: how many
+# leases we ended (0 or 1), the bell taken out (or NULL), 1 if its connection is gone, 2 if
+# the KILL was refused (another user's), else 0; and 1 if the heir got the lease.
+RELEASE = """BEGIN NOT ATOMIC
+  DECLARE p_name VARBINARY(255) DEFAULT ?;
+  DECLARE p_owner CHAR(32) DEFAULT ?;
+  DECLARE p_me BIGINT UNSIGNED DEFAULT ?;
+  DECLARE p_heir TINYINT DEFAULT ?;
+  DECLARE p_quiet TINYINT DEFAULT ?;
+  DECLARE lk_w BIGINT UNSIGNED DEFAULT NULL;
+  DECLARE lk_h CHAR(32) DEFAULT NULL;
+  DECLARE lk_i VARBINARY(4096) DEFAULT NULL;
+  DECLARE lk_t, lk_n, lk_gone, lk_given BIGINT DEFAULT 0;
+  DECLARE CONTINUE HANDLER FOR NOT FOUND SET lk_w = NULL;  -- no bell: no row to read
+  IF p_quiet THEN
+    DELETE FROM {t} WHERE name = p_name AND owner = p_owner
+       AND expires_at > UTC_TIMESTAMP(6) AND waited = 0;
+    SET lk_n = ROW_COUNT();
+  END IF;
+  IF lk_n = 0 THEN
+  START TRANSACTION;
+  SELECT conn, heir, info, ttl INTO lk_w, lk_h, lk_i, lk_t FROM {t}_bells
+   WHERE name = p_name AND server = @@server_id ORDER BY since, conn LIMIT 1;
+  IF lk_w IS NULL THEN
+    DELETE FROM {t}
+     WHERE name = p_name AND owner = p_owner AND expires_at > UTC_TIMESTAMP(6);
+    SET lk_n = ROW_COUNT();
+  ELSE
+    IF lk_h <> p_owner THEN
+      SET @lk_c = 0;
+      {hand};
+      SET lk_given = ROW_COUNT() = 2, lk_n = lk_given;
+    END IF;
+    IF NOT lk_given THEN
+      UPDATE {t} SET expires_at = UTC_TIMESTAMP(6)
+       WHERE name = p_name AND owner = p_owner AND expires_at > UTC_TIMESTAMP(6);
+      SET lk_n = ROW_COUNT();
+    END IF;
+    IF lk_n > 0 AND lk_w <> p_me THEN
+      BEGIN
+        DECLARE CONTINUE HANDLER FOR 1094 SET lk_gone = 1;
+        DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET lk_gone = 2;
+        KILL QUERY lk_w;
+      END;
+    END IF;
+    IF lk_n > 0 THEN
+      DELETE FROM {t}_bells WHERE name = p_name AND server = @@server_id AND conn = lk_w;
+    END IF;
+    IF lk_given AND lk_gone = 1 THEN
+      UPDATE {t} SET expires_at = UTC_TIMESTAMP(6)
+       WHERE name = p_name AND slot = 0 AND owner = lk_h;
+      SET lk_given = 0;
+    END IF;
+    IF p_heir THEN
+      UPDATE {t}_bells SET heir = NULL
+       WHERE name = p_name AND server = @@server_id AND heir = p_owner;
+    END IF;
+  END IF;
+  COMMIT;
+  SELECT lk_n, IF(lk_n > 0, lk_w, NULL), lk_gone, lk_given;
+  END IF;
+END"""
 
-# A release with (perhaps) a waiter, in one round trip: if a bell waits for the name, our live
-# lease is made expired (kept, still marked, for the woken waiter's upsert to take over),
-# else deleted; if we ended it, the first bell is taken out of the line and its sleep KILLed
-# before the COMMIT, so the woken waiter's upsert is on its way while the commit is flushed
-# (it waits for our row lock, then finds the row free). Our own bell (``me``) is not KILLed:
-# the caller rings this process's line. In: name, owner, me. Out: one row: how many leases
-# we ended (0 or 1), the bell taken out (or NULL), and 1 if its connection is gone, 2 if the
-# KILL was refused (another user's), else 0.
-RING_RELEASE = """
-START TRANSACTION;
-SET @lk_w = (SELECT conn FROM {t}_bells WHERE name = %(name)s AND server = @@server_id
-              ORDER BY since, conn LIMIT 1);
-UPDATE {t} SET expires_at = UTC_TIMESTAMP(6)
- WHERE name = %(name)s AND owner = %(owner)s AND expires_at > UTC_TIMESTAMP(6)
-   AND @lk_w IS NOT NULL;
-SET @lk_n = ROW_COUNT();
-DELETE FROM {t} WHERE name = %(name)s AND owner = %(owner)s AND expires_at > UTC_TIMESTAMP(6);
-SET @lk_n = @lk_n + ROW_COUNT(), @lk_gone = 0;
-DELETE FROM {t}_bells WHERE name = %(name)s AND server = @@server_id AND conn = @lk_w
-   AND @lk_n > 0;
-BEGIN NOT ATOMIC
-  DECLARE CONTINUE HANDLER FOR 1094 SET @lk_gone = 1;
-  DECLARE CONTINUE HANDLER FOR SQLEXCEPTION SET @lk_gone = 2;
-  IF @lk_n > 0 AND @lk_w <> %(me)s THEN KILL QUERY @lk_w; END IF;
-END;
-COMMIT;
-SELECT @lk_n, IF(@lk_n > 0, @lk_w, NULL), @lk_gone"""
+# RELEASE's hand-over: one upsert on slot 0 that takes our live lease over for the heir
+# (lk_h, lk_i, lk_t: its owner, JSON and TTL): ``@lk_c`` is whether the row is ours and live,
+# read before any column changes (the assignments run left to right, owner last). Were the
+# row missing, the row it inserts is already expired (free): nobody's. Rowcount 2: handed.
+HAND_OVER = """INSERT INTO {t} (name, slot, owner, owner_info, token, acquired_at, expires_at)
+      VALUES (p_name, 0, lk_h, lk_i, NULL, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))
+      ON DUPLICATE KEY UPDATE
+        owner_info  = IF(@lk_c := (owner = p_owner AND expires_at > UTC_TIMESTAMP(6)),
+                         VALUES(owner_info), owner_info),
+        token       = IF(@lk_c, VALUES(token), token),
+        acquired_at = IF(@lk_c, VALUES(acquired_at), acquired_at),
+        expires_at  = IF(@lk_c, UTC_TIMESTAMP(6) + INTERVAL lk_t MICROSECOND, expires_at),
+        owner       = IF(@lk_c, VALUES(owner), owner)"""
+RELEASE = RELEASE.replace("{hand}", HAND_OVER)
 
-# A process's bell joins the line of a name (keeping its place if it is there), then marks
-# the name's live leases: their releases ring. In: name, conn.
+# In: name, owner, me, heir, quiet (RELEASE's parameters).
+EXECUTE_RELEASE = "EXECUTE latchkey_release USING %s, %s, %s, %s, %s"
+
+# A process's bell joins the line of a name (keeping its place if it is there, naming its
+# heir anew), then marks the name's live leases: their releases ring. In: name, conn, heir,
+# info, ttl (the heir's; NULL: none).
 BELL_IN = """
-INSERT INTO {t}_bells (name, server, conn, since)
-VALUES (%(name)s, @@server_id, %(conn)s, UTC_TIMESTAMP(6)) ON DUPLICATE KEY UPDATE since = since;
+INSERT INTO {t}_bells (name, server, conn, since, heir, info, ttl)
+VALUES (%(name)s, @@server_id, %(conn)s, UTC_TIMESTAMP(6), %(heir)s, %(info)s, %(ttl)s)
+ON DUPLICATE KEY UPDATE since = since, heir = VALUES(heir), info = VALUES(info),
+    ttl = VALUES(ttl);
 UPDATE {t} SET waited = 1
  WHERE name = %(name)s AND waited = 0 AND expires_at > UTC_TIMESTAMP(6)"""
 
@@ -135,10 +218,14 @@ class Ringer(Protocol):
     def taken(self, name: str) -> None: ...
 
 
+#: What a bell names as its heir: a waiting owner, its JSON, its TTL in microseconds.
+Heir = tuple[str, str, int]
+
+
 class Bells:
     """The bells' steps, mixed into the MySQL store (see the module docstring)."""
 
-    RING_RELEASE: ClassVar[str] = RING_RELEASE
+    RELEASE_PREPARED: ClassVar[str] = RELEASE
     BELL_IN: ClassVar[str] = BELL_IN
     BELL_OUT: ClassVar[str] = BELL_OUT
     BELL_GONE: ClassVar[str] = BELL_GONE
@@ -151,6 +238,12 @@ class Bells:
         self.bell: Ringer | None = None
         #: (name, owner) of live leases this process took over marked (see the module).
         self.marked: dict[tuple[str, str], bool] = {}
+        #: The owner this process's bell last named as heir, by name (it may have been
+        #: handed the lease since: a release by that owner clears it in the server).
+        self.heirs: dict[str, str] = {}
+        #: (name, owner) of heirs whose wait ended by an error before their bell stopped
+        #: naming them: a lease handed to one meanwhile goes on at that owner's next acquire.
+        self.orphans: set[tuple[str, str]] = set()
 
     def took_marked(self, name: str, owner: str) -> None:
         """An acquire took over a lease marked ``waited``: its release rings at once."""
@@ -158,22 +251,35 @@ class Bells:
             self.marked.clear()  # (only a shortcut: the plain release finds the mark too)
         self.marked[(name, owner)] = True
 
-    def release_ringing(self, name: str, owner: str) -> Steps[bool]:
-        """:data:`RING_RELEASE`, and what is left of its ring; whether our lease was live."""
+    def release_ringing(self, name: str, owner: str, quiet: bool = False) -> Steps[bool]:
+        """:data:`RELEASE` (``quiet``: its plain DELETE first), and what is left of its
+        ring; whether our lease was live."""
         bell = self.bell
-        params = {"name": name.encode(), "owner": owner, "me": 0 if bell is None else bell.id}
+        heir = self.heirs.get(name) == owner
+        if heir:
+            del self.heirs[name]  # the statement clears it in the server too
+        params = (name.encode(), owner, 0 if bell is None else bell.id, int(heir), int(quiet))
         try:
-            rows, _ = yield Query(self.RING_RELEASE, params)
+            rows, _ = yield Query(EXECUTE_RELEASE, params)
         except Refused:  # a statement failed with the transaction open (a lost lock wait)
             yield Query("ROLLBACK")
             raise
-        ended, conn, gone = rows[0]
+        if not rows:
+            return True  # quiet: ended by the plain DELETE, no one waited
+        ended, conn, gone, _ = rows[0]
         if conn is not None:
             if bell is not None and int(conn) == bell.id:
                 bell.taken(name)  # the release rings this process's line itself
             elif int(gone) == 1:  # that bell's connection is gone: ring the next
                 yield from self.ring(name, int(conn))
         return bool(int(ended) > 0)
+
+    def given_back(self, name: str, owner: str) -> Steps[bool]:
+        """An heir's wait ended without the lease: a lease a release handed to it meanwhile
+        (its bell no longer names it: the caller saw to that) goes on to the next in line.
+        Whether there was one."""
+        self.orphans.discard((name, owner))
+        return (yield from self.release_ringing(name, owner))
 
     def ring(self, name: str, conn: int | None) -> Steps[None]:
         """Wake the bell ``conn`` (taken out of ``name``'s line): this process's own without
@@ -194,14 +300,25 @@ class Bells:
             except NotPermitted:
                 return  # another user's bell: it polls
 
-    def bell_in(self, name: str, conn: int, needed: bool = True) -> Steps[None]:
-        """The bell ``conn`` in ``name``'s line (``needed``: False if it is there already)."""
-        if needed:
-            yield Query(self.BELL_IN, {"name": name.encode(), "conn": conn})
+    def bell_in(
+        self, name: str, conn: int, needed: bool = True, heir: Heir | None = None
+    ) -> Steps[None]:
+        """The bell ``conn`` in ``name``'s line, naming ``heir`` (``needed``: False if it is
+        there already, naming the same)."""
+        if not needed:
+            return
+        owner, info, ttl = heir if heir is not None else (None, None, None)
+        params = {"name": name.encode(), "conn": conn, "heir": owner, "info": info, "ttl": ttl}
+        if owner is not None:
+            self.heirs[name] = owner  # before the statement: should it fail, it may name it
+        yield Query(self.BELL_IN, params)
+        if owner is None:
+            self.heirs.pop(name, None)
 
     def bell_out(self, name: str, conn: int, pass_on: bool) -> Steps[None]:
         params = {"name": name.encode(), "conn": conn, "pass": int(pass_on)}
         rows, _ = yield Query(self.BELL_OUT, params)
+        self.heirs.pop(name, None)
         if rows and rows[0][0] is not None:
             yield from self.ring(name, int(rows[0][0]))
 
@@ -229,6 +346,15 @@ class Bells:
                 continue
             with contextlib.suppress(ThreadGone, NotPermitted):
                 yield Query(KILL, (int(conn),))
+
+
+def heir_of(owner: str, info: str, ttl: float, limit: int) -> Heir | None:
+    """What a waiter's bell names as heir: a mutex waiter's owner (a semaphore's waiters,
+    and the rows' subscribers, are rung, not handed a lease), unless its JSON is too long
+    for the bells' table."""
+    if limit != 1 or not owner or len(info.encode()) > INFO_MAX:
+        return None
+    return owner, info, max(1, round(ttl * 1_000_000))
 
 
 def ours_marked(lease: Sequence[str]) -> bool:

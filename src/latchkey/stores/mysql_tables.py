@@ -39,6 +39,9 @@ CREATE TABLE IF NOT EXISTS {t}_bells (
     server INT UNSIGNED    NOT NULL,      -- @@server_id of the server the process waits on
     conn   BIGINT UNSIGNED NOT NULL,      -- CONNECTION_ID() of that process's bell
     since  DATETIME(6)     NOT NULL,      -- when it began to wait: rung in this order
+    heir   CHAR(32)        NULL,          -- the owner a release hands the lease to (or none)
+    info   VARBINARY({info_max}) NULL,     -- that owner's JSON
+    ttl    BIGINT          NULL,          -- that owner's TTL, microseconds
     PRIMARY KEY (name, server, conn) USING BTREE,
     KEY {t}_bells_since (name, server, since) USING BTREE
 ) ENGINE=MEMORY;
@@ -50,14 +53,24 @@ CREATE TABLE IF NOT EXISTS {t}_records (
 """
 
 
-# MariaDB: a lease table made before the ``waited`` column (latchkey 0.1) gets it once, by
-# the first connection that finds it missing; looked up first (a compound statement), so
-# later connections take no table lock for it.
+#: The longest owner JSON a bell names its heir with (bytes; a MEMORY table stores this
+#: column at its full width): a waiter with a longer one is rung, not handed the lease.
+INFO_MAX = 512
+
+# MariaDB: tables made before the lease table's ``waited`` column (latchkey 0.1) or the bells'
+# heir (0.2) get them once, by the first connection that finds them missing; looked up first
+# (a compound statement), so later connections take no table lock for them.
 ADD_WAITED = """
 BEGIN NOT ATOMIC
   IF NOT EXISTS (SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()
                  AND TABLE_NAME = '{t}' AND COLUMN_NAME = 'waited') THEN
     ALTER TABLE {t} ADD COLUMN IF NOT EXISTS waited TINYINT NOT NULL DEFAULT 0;
+  END IF;
+  IF NOT EXISTS (SELECT 1 FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = DATABASE()
+                 AND TABLE_NAME = '{t}_bells' AND COLUMN_NAME = 'heir') THEN
+    ALTER TABLE {t}_bells ADD COLUMN IF NOT EXISTS heir CHAR(32) NULL,
+        ADD COLUMN IF NOT EXISTS info VARBINARY({info_max}) NULL,
+        ADD COLUMN IF NOT EXISTS ttl BIGINT NULL;
   END IF;
 END"""
 
@@ -70,8 +83,9 @@ class Tables:
 
     def tables(self) -> Query:
         """The script creating the tables if they do not exist (multi-statement)."""
-        return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION))
+        return Query(CREATE.format(t=self.table, version=SCHEMA_VERSION, info_max=INFO_MAX))
 
     def add_waited(self) -> Query:
-        """MariaDB: the ``waited`` column added to a lease table made without it."""
-        return Query(ADD_WAITED.format(t=self.table))
+        """MariaDB: the lease table's ``waited`` column and the bells' heir added to tables
+        made without them."""
+        return Query(ADD_WAITED.format(t=self.table, info_max=INFO_MAX))

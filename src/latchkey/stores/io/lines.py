@@ -66,6 +66,11 @@ class Lines:
         with self.lock:
             _ring_first(self.names.get(name, {}))
 
+    def first_heir(self, name: str) -> Any:
+        """The ``heir`` of ``name``'s first waiter (None: none, or no one waits)."""
+        with self.lock:
+            return next((waiter.heir for waiter in self.names.get(name, ())), None)
+
     def leave(self, waiter: LineWaiter, pass_on: bool) -> None:
         with self.lock:
             _leave(self.names, waiter, pass_on)
@@ -100,6 +105,7 @@ class LineWaiter(Waiter):
         self.event = threading.Event()
         self.rung = False  # rung at least once
         self.granted = False
+        self.heir: Any = None  # what a store may hand this waiter's lease to (MariaDB's bells)
 
     def wait(self, timeout: float) -> bool:
         return woken(self.event, timeout)
@@ -130,6 +136,9 @@ class AsyncLines:
     def ring(self, name: str) -> None:
         _ring_first(self.names.get(name, {}))
 
+    def first_heir(self, name: str) -> Any:
+        return next((waiter.heir for waiter in self.names.get(name, ())), None)
+
     def leave(self, waiter: AsyncLineWaiter, pass_on: bool) -> None:
         _leave(self.names, waiter, pass_on)
 
@@ -142,6 +151,7 @@ class AsyncLineWaiter(AsyncWaiter):
         self.event = asyncio.Event()
         self.rung = False
         self.granted = False
+        self.heir: Any = None
 
     async def wait(self, timeout: float) -> bool:
         return await awoken(self.event, timeout)

@@ -98,13 +98,21 @@ class BellState:
 
     def registering(self, name: str) -> Steps[None]:
         """Under the turn: the bell in ``name``'s line (it keeps its place if there; not sent
-        if a waiter of ours put it in since the last ring), the live lease marked; remembered
+        if a waiter of ours put it in since the last ring, naming the same heir), naming the
+        heir of the process's first waiter of the name, the live lease marked; remembered
         only if no ring came meanwhile."""
         rings = self.rings(name)
-        yield from self.store.bell_in(name, self.id, self.registered.get(name) != rings)
+        heir = self.lines.first_heir(name)
+        yield from self.store.bell_in(name, self.id, self.unregistered(name, heir), heir)
         self.skipped.discard(name)
         if self.rings(name) == rings:
             self.registered[name] = rings
+
+    def unregistered(self, name: str, heir: Any) -> bool:
+        """Whether the bell may be out of ``name``'s line (a ring came since it went in), or
+        names another heir than ``heir`` there."""
+        named = self.store.heirs.get(name)
+        return self.registered.get(name) != self.rings(name) or named != (heir and heir[0])
 
     def leaving(
         self, line: LineWaiter | AsyncLineWaiter, finished: bool = True
@@ -114,9 +122,20 @@ class BellState:
         the process still wait, or the bell is not in line, or the waiter got the lease after
         a ring, which took the bell out already (if that ring was for another name, the bell
         tidies up at its next ring: ``tidy``). A wait that ended by an error (not
-        ``finished``: the store failing, a cancel) adds no round trip to it either: the bell
-        is left to ``tidy`` too, so the error reaches the caller within its timeout."""
+        ``finished``: the store failing) adds no round trip to it either: the bell is left to
+        ``tidy`` too, so the error reaches the caller within its timeout.
+
+        A waiter the bell names as heir that leaves without the lease may have been handed
+        it by a release meanwhile: the bell stops naming it (it names the next waiter of the
+        process, or leaves the line), then that lease, if any, is released, which passes it
+        on (:meth:`giving_back`). After an error, the store gives it back at that owner's
+        next acquire instead (``Bells.orphans``)."""
         name = line.name
+        heir = line.heir
+        if heir is not None and not line.granted and self.store.heirs.get(name) == heir[0]:
+            if finished:
+                return self.giving_back(line)
+            self.store.orphans.add((name, heir[0]))
         if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
             return None
         rung_since = went_in != self.rings(name)
@@ -125,6 +144,18 @@ class BellState:
             self.skipped.add(name)
             return None
         return self.store.bell_out(name, self.id, line.rung and not line.granted)  # type: ignore[no-any-return]
+
+    def giving_back(self, line: LineWaiter | AsyncLineWaiter) -> Steps[None]:
+        """Under the turn: an heir left without the lease (see :meth:`leaving`)."""
+        name, owner = line.name, line.heir[0]
+        if name in self.lines.names:  # the bell names the process's next waiter instead
+            yield from self.registering(name)
+        else:
+            self.registered.pop(name, None)
+            self.rung.pop(name, None)
+            yield from self.store.bell_out(name, self.id, line.rung)
+        if (yield from self.store.given_back(name, owner)):
+            self.lines.ring(name)  # passed on, perhaps to a waiter of ours
 
     def stale(self) -> list[str]:
         """Under the turn, after a ring: the names left without a round trip that nobody
@@ -151,10 +182,12 @@ class Bell(BellState):
         """The backend's lines (made after its driver)."""
         return self.driver.backend.lines  # type: ignore[no-any-return]
 
-    def join(self, name: str) -> Waiter:
+    def join(self, name: str, heir: Any = None) -> Waiter:
         """A waiter for ``name``: in the backend's line, and the bell in the server's (a
-        plain line, which polls, if the bell cannot start)."""
+        plain line, which polls, if the bell cannot start), naming ``heir`` (``heir_of``) if
+        it is the process's first waiter of the name."""
         line = self.lines.join(name)
+        line.heir = heir
         try:
             self.start()
             self.waiting.set()  # it sleeps in the server while the bell goes in line
@@ -195,7 +228,7 @@ class Bell(BellState):
     def rejoin(self, name: str) -> bool:
         """Before a woken waiter sleeps again: True if the bell had to go back in line (the
         waiter then tries at once), False if it is still there (or there is no bell)."""
-        if self.registered.get(name) == self.rings(name) or self.pooled is None:
+        if self.pooled is None or not self.unregistered(name, self.lines.first_heir(name)):
             return False
         try:
             self.register(name)
@@ -316,8 +349,9 @@ class AsyncBell(BellState):
     def lines(self) -> AsyncLines:
         return self.driver.backend.lines  # type: ignore[no-any-return]
 
-    async def join(self, name: str) -> AsyncWaiter:
+    async def join(self, name: str, heir: Any = None) -> AsyncWaiter:
         line = self.lines.join(name)
+        line.heir = heir
         try:
             await self.start()
             assert self.waiting is not None
@@ -360,7 +394,7 @@ class AsyncBell(BellState):
             self.waiting.set()
 
     async def rejoin(self, name: str) -> bool:
-        if self.registered.get(name) == self.rings(name) or self.pooled is None:
+        if self.pooled is None or not self.unregistered(name, self.lines.first_heir(name)):
             return False
         try:
             await self.register(name)
@@ -438,10 +472,14 @@ class AsyncBellWaiter(AsyncWaiter):
         self.finished = False
 
     async def wait(self, timeout: float) -> bool:
-        if await self.bell.rejoin(self.line.name):
-            self.line.event.clear()
-            return True
-        return await self.line.wait(timeout)
+        try:
+            if await self.bell.rejoin(self.line.name):
+                self.line.event.clear()
+                return True
+            return await self.line.wait(timeout)
+        except asyncio.CancelledError:
+            self.finished = True  # a cancel, not a store failure: the bell may tidy now
+            raise
 
     @property
     def ahead(self) -> int:
