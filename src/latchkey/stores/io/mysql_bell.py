@@ -148,14 +148,18 @@ class BellState:
     def giving_back(self, line: LineWaiter | AsyncLineWaiter) -> Steps[None]:
         """Under the turn: an heir left without the lease (see :meth:`leaving`)."""
         name, owner = line.name, line.heir[0]
-        if name in self.lines.names:  # the bell names the process's next waiter instead
-            yield from self.registering(name)
-        else:
-            self.registered.pop(name, None)
-            self.rung.pop(name, None)
-            yield from self.store.bell_out(name, self.id, line.rung)
-        if (yield from self.store.given_back(name, owner)):
-            self.lines.ring(name)  # passed on, perhaps to a waiter of ours
+        try:
+            if name in self.lines.names:  # the bell names the process's next waiter instead
+                yield from self.registering(name)
+            else:
+                self.registered.pop(name, None)
+                self.rung.pop(name, None)
+                yield from self.store.bell_out(name, self.id, line.rung)
+            if (yield from self.store.given_back(name, owner)):
+                self.lines.ring(name)  # passed on, perhaps to a waiter of ours
+        except BaseException:
+            self.store.orphans.add((name, owner))  # its next acquire gives it back
+            raise
 
     def stale(self) -> list[str]:
         """Under the turn, after a ring: the names left without a round trip that nobody
