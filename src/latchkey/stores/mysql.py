@@ -277,8 +277,8 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        if self.orphans and (name, owner) in self.orphans:
-            yield from self.given_back(name, owner)  # handed to a wait that had failed
+        if self.orphans:  # a lease handed to a wait that had failed is given back first
+            yield from self.give_back(name)
         if limit == 1 and self.prepared:  # a tuple is cheaper to escape than a dict
             query = Query(EXECUTE_ACQUIRE_ARGS, (name.encode(), owner, owner_info, _us(ttl), owner))
         else:
@@ -305,8 +305,7 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
         if not self.prepared:
             _, count = yield Query(self.RELEASE, (name.encode(), owner))
             return bool(count > 0)
-        # Quiet first (a plain DELETE, in the same statement) unless the lease was taken over
-        # marked, or a bell of ours may still name us as its heir.
+        # The plain DELETE first, unless taken over marked, or a bell of ours may name us
         quiet = not self.marked.pop((name, owner), False) and self.heirs.get(name) != owner
         return (yield from self.release_ringing(name, owner, quiet))
 
@@ -380,10 +379,12 @@ class AsyncMySQLBackend(AsyncStoreBackend):
     store_class = MySQL
 
     async def wait_in_line(self, name: str, owner: str, info: str, ttl: float, limit: int) -> Any:
+        """MariaDB: rung, never named heir: a cancelled task's statement may still run in
+        the server, and a lease handed to it could stay until its TTL (docs/stores/mysql.md)."""
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
         if bell is None:
             return await super().wait_in_line(name, owner, info, ttl, limit)
-        return await bell.join(name, heir_of(owner, info, ttl, limit))
+        return await bell.join(name)
 
 
 def _text(value: str | bytes) -> str:

@@ -7,55 +7,47 @@ that waits for a name keeps one *bell*, a connection of its own that sleeps in t
 (:mod:`latchkey.stores.io.mysql_bell`), and puts it in the ``{t}_bells`` table (a MEMORY
 table: no disk write, emptied by a restart, as the connection ids are) once per name, in the
 order processes came; it also marks the live lease ``waited``. A release of a lease so
-marked takes the first bell of its name out of the table and KILLs its query. Only when
-someone waits does a release do more than its plain ``DELETE``; it stays one round trip.
+marked takes the first bell of its name out of the table and KILLs its query.
 
-**Hand-over.** The bell also names its *heir*: the owner, JSON and TTL of its process's first
-waiter of the name (a mutex's; a semaphore's waiters and the rows' subscribers are only
-rung). The release that rings that bell takes its live lease over for the heir in the same
-transaction (:data:`HAND_OVER`: a fresh fencing token, the heir's TTL), so a hand-off costs
-one commit, not two (the release's, then the woken waiter's upsert): the waiter's attempt
-waits for the release's row lock and finds its own live lease. The heir is kept current by
-the process (:class:`~latchkey.stores.io.mysql_bell.BellState`): when its first waiter
-leaves, the bell names the next one, or leaves the line.
+**Hand-over.** The bell names its *heir*: the owner, JSON and TTL of its process's first
+waiter of the name (a sync mutex waiter's; others are only rung: ``heir_of``,
+``AsyncMySQLBackend.wait_in_line``). The release that rings the bell takes its live lease
+over for the heir in the same transaction (:data:`HAND_OVER`), so a hand-off is one commit,
+not two: the woken waiter's attempt waits for the release's row lock and finds its own live
+lease. When the process's first waiter leaves, the bell names the next one, or leaves.
 
 How no wake-up and no lease is lost, and why the uncontended path costs nothing:
 
 - A release is one prepared compound statement (:data:`RELEASE`) whose first step is the
-  plain ``DELETE … AND waited = 0``: a lease no one waited for ends as before. Only when that
-  ends nothing (the lease was marked, or is not ours) does the rest run. A holder that took
-  its lease over marked (the acquire's answer says) skips the plain step.
+  plain ``DELETE … AND waited = 0``: a lease no one waited for ends as before. A holder that
+  took its lease over marked (the acquire's answer says) skips that step.
 - A waiter marks the live lease *after* putting its bell in, and the core tries again after
   that (``wait_in_line``): a release before the mark is seen by that attempt; one after it
   finds the mark and rings.
-- A marked lease is not deleted while a bell waits for its name: it is handed to the heir,
-  or (no heir) made expired and kept with its mark, so the woken waiter's upsert takes it
-  over marked; either way its release rings the next bell. The last release, with no bell
-  left, deletes the row.
+- A marked lease is not deleted while a bell waits: it is handed to the heir, or (no heir)
+  made expired and kept with its mark for the woken waiter's upsert; either way its release
+  rings the next bell. The last release, with no bell left, deletes the row.
 - A bell taken out of the table by a ring is put back (at the end of the line) by its
-  process before it sleeps again (``Bell.register`` at the next ``wait``), and its waiter
-  tries once more after that, as after the first time.
-- A heir whose wait ends without the lease may have been handed it meanwhile: once its bell
-  no longer names it, it releases that lease (:meth:`Bells.given_back`), which passes it on.
-  A wait that ended by a store error leaves that to the owner's next acquire (``orphans``).
-  A heir that took the name by its own attempt (barging) is still named until its release,
-  which stops that (the ``heir`` flag of :data:`RELEASE`): no lease is handed to its holder.
-- A hand-over to a bell whose connection is gone (its process died: the KILL fails with
-  1094) is undone in the same transaction (the lease made expired: free), and the next bell
-  is rung.
+  process before it sleeps again (``Bell.register``), and its waiter tries once more.
+- An heir whose wait ends without the lease may have been handed it: once its bell no longer
+  names it, its lease is released, which passes it on, and again after each ring for a while
+  (:attr:`Bells.orphans`: a release that read the heir just before may still hand over). An
+  heir that won the name by its own attempt is unnamed by its release (``heir`` flag).
+- A hand-over whose KILL finds the bell's connection gone (1094: its process died) is undone
+  in the same transaction, and the next bell is rung.
 
 The ring is only a wake-up, and the hand-over only saves a commit: correctness never depends
-on either. A ring that is lost (a bell between two sleeps, a user not allowed to KILL
-another's query, leases ended by expiry, a batch release or a purge) leaves the waiter to the
-core's own polls, capped by the holder's remaining lease; a lease handed to a waiter that
-never takes it (its process stopped) ends by its TTL, as any holder's. Bells name the server
-(``@@server_id``): after a failover a replicated row never rings a connection of another
-server. MySQL keeps polling (its ``SLEEP`` ends with 1 instead of an error, untested here).
+on either. A lost ring (a bell between two sleeps, a user not allowed to KILL another's
+query, expiry, a batch release, a purge) leaves the waiter to the core's polls, capped by
+the holder's remaining lease; a lease handed to a process that stops before taking it ends
+by its TTL. Bells name the server (``@@server_id``): after a failover a replicated row never
+rings a connection of another server. MySQL keeps polling (its ``SLEEP`` ends with 1).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
@@ -193,6 +185,13 @@ SET @lk_w = (SELECT conn FROM {t}_bells WHERE name = %(name)s AND server = @@ser
 DELETE FROM {t}_bells WHERE name = %(name)s AND server = @@server_id AND conn = @lk_w;
 SELECT @lk_w"""
 
+# Which of some (name, owner) pairs hold a live lease (orphans: Bells.give_back). In: the
+# names, then the owners ({names}, {owners}: as many placeholders).
+HELD_BY = (
+    "SELECT name, owner FROM {t} WHERE name IN ({names}) AND owner IN ({owners}) "
+    "AND expires_at > UTC_TIMESTAMP(6)"
+)
+
 # Every bell of a name (a force-release rings them all; they stay in line). In: name.
 BELLS_OF = "SELECT conn FROM {t}_bells WHERE name = %s AND server = @@server_id"
 
@@ -203,6 +202,10 @@ KILL = "KILL QUERY %s"
 RING_TRIES = 3
 #: Leases this process took over marked (their release rings straight away), at most.
 WAITED_KEPT = 4096
+#: How long an orphan is kept after its first give-back, in timeouts: longer than any release
+#: statement that read its heir before it was unnamed may take to hand over (each is bounded
+#: by the timeout).
+ORPHAN_GRACE = 2
 
 
 class Ringer(Protocol):
@@ -230,7 +233,9 @@ class Bells:
     BELL_OUT: ClassVar[str] = BELL_OUT
     BELL_GONE: ClassVar[str] = BELL_GONE
     BELLS_OF: ClassVar[str] = BELLS_OF
+    HELD_BY: ClassVar[str] = HELD_BY
     prepared: bool
+    timeout: float
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -241,9 +246,13 @@ class Bells:
         #: The owner this process's bell last named as heir, by name (it may have been
         #: handed the lease since: a release by that owner clears it in the server).
         self.heirs: dict[str, str] = {}
-        #: (name, owner) of heirs whose wait ended by an error before their bell stopped
-        #: naming them: a lease handed to one meanwhile goes on at that owner's next acquire.
-        self.orphans: set[tuple[str, str]] = set()
+        #: Heirs whose wait ended without the lease, by (name, owner): a lease handed to one
+        #: is given back (:meth:`give_back`) by this process's bell after each ring (it
+        #: listens while there are orphans), and by its next acquire of the name. Kept until
+        #: ORPHAN_GRACE times the timeout after the first give-back: a release that read the
+        #: heir before it was unnamed may still hand over, and rings when it does. The value:
+        #: when it may go (None: not given back yet).
+        self.orphans: dict[tuple[str, str], float | None] = {}
 
     def took_marked(self, name: str, owner: str) -> None:
         """An acquire took over a lease marked ``waited``: its release rings at once."""
@@ -251,12 +260,15 @@ class Bells:
             self.marked.clear()  # (only a shortcut: the plain release finds the mark too)
         self.marked[(name, owner)] = True
 
-    def release_ringing(self, name: str, owner: str, quiet: bool = False) -> Steps[bool]:
-        """:data:`RELEASE` (``quiet``: its plain DELETE first), and what is left of its
+    def release_ringing(
+        self, name: str, owner: str, quiet: bool = False, unname: bool = False
+    ) -> Steps[bool]:
+        """:data:`RELEASE` (``quiet``: its plain DELETE first; ``unname``: a bell of ours
+        naming ``owner`` as heir stops, whatever ``heirs`` says), and what is left of its
         ring; whether our lease was live."""
         bell = self.bell
-        heir = self.heirs.get(name) == owner
-        if heir:
+        heir = unname or self.heirs.get(name) == owner
+        if self.heirs.get(name) == owner:
             del self.heirs[name]  # the statement clears it in the server too
         params = (name.encode(), owner, 0 if bell is None else bell.id, int(heir), int(quiet))
         try:
@@ -274,12 +286,36 @@ class Bells:
                 yield from self.ring(name, int(conn))
         return bool(int(ended) > 0)
 
-    def given_back(self, name: str, owner: str) -> Steps[bool]:
-        """An heir's wait ended without the lease: a lease a release handed to it meanwhile
-        (its bell no longer names it: the caller saw to that) goes on to the next in line.
-        Whether there was one."""
-        self.orphans.discard((name, owner))
-        return (yield from self.release_ringing(name, owner))
+    def orphan(self, name: str, owner: str) -> None:
+        """An heir left without the lease: see :attr:`orphans`."""
+        self.orphans.setdefault((name, owner), None)
+
+    def give_back(self, name: str | None = None) -> Steps[bool]:
+        """The orphans' (of ``name``; None: of every name) leases released, by a release
+        that also stops a bell of ours naming the owner: that passes a handed lease on. The
+        first time, one release each; after that, one read finds the few that hold a lease.
+        Safe whoever runs it: an owner is one acquire call's, and that call has ended (or is
+        ending) without a grant, so a live lease of that owner is nobody's. Whether one was
+        live."""
+        now, found = time.monotonic(), False
+        mine = [key for key in self.orphans if name is None or key[0] == name]
+        held = [key for key in mine if self.orphans.get(key) is None]
+        known = [key for key in mine if self.orphans.get(key) is not None]
+        if known:
+            marks = ", ".join(["%s"] * len(known))
+            sql = self.HELD_BY.format(names=marks, owners=marks)
+            params = [n.encode() for n, _ in known] + [o for _, o in known]
+            rows, _ = yield Query(sql, params)
+            live = {(bytes(n).decode(), str(o)) for n, o in rows}
+            held += [key for key in known if key in live]
+        for key in held:
+            found = (yield from self.release_ringing(*key, unname=True)) or found
+            self.orphans[key] = self.orphans.get(key) or now + ORPHAN_GRACE * self.timeout
+        for key in known:
+            until = self.orphans.get(key)
+            if until is not None and now >= until:
+                self.orphans.pop(key, None)
+        return found
 
     def ring(self, name: str, conn: int | None) -> Steps[None]:
         """Wake the bell ``conn`` (taken out of ``name``'s line): this process's own without

@@ -15,8 +15,16 @@ sleep (the statements, and why no wake-up is lost: :mod:`latchkey.stores.mysql_b
   waiter tries once more (its ``wait`` answers True at once), as after the first time.
 - The last waiter of a name in this process takes the bell out of the name's line; one that
   was rung and leaves without the lease rings the next process if the name is free.
+- The bell names its *heir* in the server's line (``Bells.bell_in``): the owner, JSON and TTL
+  of the process's first waiter of the name (:meth:`Lines.first_heir`; a mutex waiter's
+  ``heir``, set at join), to whom a release hands the lease. When that waiter leaves, the
+  bell names the next one; one that leaves without the lease gives back what it may have
+  been handed meanwhile (:meth:`BellState.giving_back`). Only sync waiters are named
+  (``AsyncMySQLBackend.wait_in_line`` says why); an asyncio waiter's cancel is still a
+  finished wait here (its bell leaves the line at once), a store error is not.
 - If the bell's connection fails, every waiter is woken once, tries, and from then on polls
-  (the core's backoff); the next wait starts a new bell. Nothing here decides who holds what.
+  (the core's backoff); the next wait starts a new bell. What is handed to whom is decided
+  in the server, by the store's statements (:mod:`latchkey.stores.mysql_bells`).
 
 Why by hand: no driver offers server push for MySQL or MariaDB (neither server has one); the
 only cross-session wake-up either has is ending another session's statement.
@@ -60,6 +68,7 @@ class BellState:
     by the subclass, under its turn)."""
 
     lines: Any  # the backend's Lines or AsyncLines
+    waiting: Any  # set: the bell has something to listen for (sync or asyncio Event)
 
     def __init__(self, driver: Any, opener: Callable[[], Any]) -> None:
         self.driver = driver
@@ -128,14 +137,14 @@ class BellState:
         A waiter the bell names as heir that leaves without the lease may have been handed
         it by a release meanwhile: the bell stops naming it (it names the next waiter of the
         process, or leaves the line), then that lease, if any, is released, which passes it
-        on (:meth:`giving_back`). After an error, the store gives it back at that owner's
-        next acquire instead (``Bells.orphans``)."""
+        on (:meth:`giving_back`). After an error that is left to the bell (after its next
+        ring or nap) and to the process's next acquire of the name (``Bells.orphans``)."""
         name = line.name
         heir = line.heir
         if heir is not None and not line.granted and self.store.heirs.get(name) == heir[0]:
             if finished:
                 return self.giving_back(line)
-            self.store.orphans.add((name, heir[0]))
+            self.orphaned(name, heir[0])
         if name in self.lines.names or (went_in := self.registered.pop(name, None)) is None:
             return None
         rung_since = went_in != self.rings(name)
@@ -146,20 +155,35 @@ class BellState:
         return self.store.bell_out(name, self.id, line.rung and not line.granted)  # type: ignore[no-any-return]
 
     def giving_back(self, line: LineWaiter | AsyncLineWaiter) -> Steps[None]:
-        """Under the turn: an heir left without the lease (see :meth:`leaving`)."""
+        """Under the turn: an heir left without the lease (see :meth:`leaving`): the bell
+        names the process's next waiter instead, or leaves the line; then the lease it may
+        have been handed is given back, and once more after any ring for a while after
+        (``Bells.orphans``)."""
         name, owner = line.name, line.heir[0]
-        try:
-            if name in self.lines.names:  # the bell names the process's next waiter instead
-                yield from self.registering(name)
-            else:
-                self.registered.pop(name, None)
-                self.rung.pop(name, None)
-                yield from self.store.bell_out(name, self.id, line.rung)
-            if (yield from self.store.given_back(name, owner)):
-                self.lines.ring(name)  # passed on, perhaps to a waiter of ours
-        except BaseException:
-            self.store.orphans.add((name, owner))  # its next acquire gives it back
-            raise
+        self.orphaned(name, owner)
+        if name in self.lines.names:
+            yield from self.registering(name)
+        else:
+            self.registered.pop(name, None)
+            self.rung.pop(name, None)
+            yield from self.store.bell_out(name, self.id, line.rung)
+        if (yield from self.store.give_back(name)):
+            self.lines.ring(name)  # passed on, perhaps to a waiter of ours
+
+    def nap(self) -> float:
+        """How long the bell's next sleep lasts: NAP, or less while orphans wait for their
+        grace to end (``Bells.orphans``: it gives them back once more then)."""
+        ends = [until for until in self.store.orphans.values() if until is not None]
+        if not ends:
+            return NAP
+        return float(min(NAP, max(0.05, min(ends) - time.monotonic())))
+
+    def orphaned(self, name: str, owner: str) -> None:
+        """An heir left without the lease: the store keeps it as an orphan, and the bell
+        listens (it sleeps in the server, so a ring reaches it) until it is given back."""
+        self.store.orphan(name, owner)
+        if self.waiting is not None:
+            self.waiting.set()
 
     def stale(self) -> list[str]:
         """Under the turn, after a ring: the names left without a round trip that nobody
@@ -194,15 +218,22 @@ class Bell(BellState):
         line.heir = heir
         try:
             self.start()
-            self.waiting.set()  # it sleeps in the server while the bell goes in line
-            self.register(name)
         except StoreUnavailable as exc:
             log.debug("waiting for %r without a bell: %s", name, exc)
             return line
         except BaseException:
             line.close()
             raise
-        return BellWaiter(self, line)
+        waiter = BellWaiter(self, line)
+        try:
+            self.waiting.set()  # it sleeps in the server while the bell goes in line
+            self.register(name)
+        except StoreUnavailable as exc:  # it polls; the bell may name it (its close tidies)
+            log.debug("waiting for %r, its bell not in line: %s", name, exc)
+        except BaseException:
+            waiter.close()  # (a wait that did not finish: the bell may name it: an orphan)
+            raise
+        return waiter
 
     def start(self) -> None:
         with self.lock:
@@ -256,20 +287,23 @@ class Bell(BellState):
         pid = os.getpid()
         try:
             while self.pooled is pooled:
-                if not self.lines.names:  # nobody waits here: idle until a waiter comes
+                if not self.lines.names and not self.store.orphans:  # idle until a waiter
                     self.waiting.clear()
-                    if not self.lines.names:
+                    if not self.lines.names and not self.store.orphans:
                         self.waiting.wait(NAP)
                     continue
-                pooled.deadline = time.monotonic() + NAP + pooled.timeout
+                nap = self.nap()
+                pooled.deadline = time.monotonic() + nap + pooled.timeout
                 try:
-                    pooled.drain(SLEEP, (NAP,))
-                    continue  # slept it out: nobody rang
+                    pooled.drain(SLEEP, (nap,))
+                    rung = False  # slept it out: nobody rang
                 except Exception as exc:
                     if not interrupted(exc):
                         raise
-                self.wake(None)
-                if self.skipped:
+                    rung = True
+                if rung:
+                    self.wake(None)
+                if (rung and self.skipped) or self.store.orphans:
                     self.tidy(pooled)
         except Exception as exc:  # the connection failed: every waiter tries, then polls
             log.debug("bell lost: %s", exc)
@@ -278,14 +312,18 @@ class Bell(BellState):
                 self._lost(pooled)
 
     def tidy(self, pooled: Any) -> None:
-        """On the bell's connection, after a ring: the names left without a round trip that
-        nobody here waits for any more leave their lines for sure, and if one of them was
-        just rung (for nobody), the next is rung in its place."""
+        """On the bell's connection, after a ring (or before it idles): the names left
+        without a round trip that nobody here waits for any more leave their lines for sure,
+        and if one of them was just rung (for nobody), the next is rung in its place; the
+        orphans' leases are given back (``Bells.give_back``)."""
         with self.turn:
             names = self.stale()
         for name in names:
             pooled.deadline = time.monotonic() + pooled.timeout
             drive(self.store.bell_out(name, self.id, True), pooled.answer)
+        if self.store.orphans:
+            pooled.deadline = time.monotonic() + pooled.timeout
+            drive(self.store.give_back(), pooled.answer)
 
     def _lost(self, pooled: Any) -> None:
         with self.lock:
@@ -358,16 +396,23 @@ class AsyncBell(BellState):
         line.heir = heir
         try:
             await self.start()
-            assert self.waiting is not None
-            self.waiting.set()  # it sleeps in the server while the bell goes in line
-            await self.register(name)
         except StoreUnavailable as exc:
             log.debug("waiting for %r without a bell: %s", name, exc)
             return line
         except BaseException:
             await line.close()
             raise
-        return AsyncBellWaiter(self, line)
+        waiter = AsyncBellWaiter(self, line)
+        try:
+            assert self.waiting is not None
+            self.waiting.set()  # it sleeps in the server while the bell goes in line
+            await self.register(name)
+        except StoreUnavailable as exc:
+            log.debug("waiting for %r, its bell not in line: %s", name, exc)
+        except BaseException:
+            await waiter.close()
+            raise
+        return waiter
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -426,19 +471,22 @@ class AsyncBell(BellState):
         timeout = self.driver.backend.timeout
         try:
             while self.pooled is pooled:
-                if not self.lines.names:
+                if not self.lines.names and not self.store.orphans:
                     self.waiting.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.waiting.wait(), NAP)
                     continue
+                nap = self.nap()
                 try:
-                    await asyncio.wait_for(drain(pooled.cur, SLEEP, (NAP,)), NAP + timeout)
-                    continue
+                    await asyncio.wait_for(drain(pooled.cur, SLEEP, (nap,)), nap + timeout)
+                    rung = False
                 except Exception as exc:
                     if not interrupted(exc):
                         raise
-                self.wake(None)
-                if self.skipped:
+                    rung = True
+                if rung:
+                    self.wake(None)
+                if (rung and self.skipped) or self.store.orphans:
                     await self.tidy(pooled)
         except Exception as exc:
             log.debug("bell lost: %s", exc)
@@ -458,6 +506,8 @@ class AsyncBell(BellState):
         for name in names:
             steps = self.store.bell_out(name, self.id, True)
             await asyncio.wait_for(adrive(steps, pooled.answer), timeout)
+        if self.store.orphans:
+            await asyncio.wait_for(adrive(self.store.give_back(), pooled.answer), timeout)
 
     async def aclose(self) -> None:
         task, self.task, self.pooled = self.task, None, None
