@@ -298,7 +298,7 @@ class Bells:
         ending) without a grant, so a live lease of that owner is nobody's. Whether one was
         live."""
         now, found = time.monotonic(), False
-        mine = [key for key in self.orphans if name is None or key[0] == name]
+        mine = [key for key in list(self.orphans) if name is None or key[0] == name]
         held = [key for key in mine if self.orphans.get(key) is None]
         known = [key for key in mine if self.orphans.get(key) is not None]
         if known:

@@ -173,7 +173,7 @@ class BellState:
     def nap(self) -> float:
         """How long the bell's next sleep lasts: NAP, or less while orphans wait for their
         grace to end (``Bells.orphans``: it gives them back once more then)."""
-        ends = [until for until in self.store.orphans.values() if until is not None]
+        ends = [until for until in list(self.store.orphans.values()) if until is not None]
         if not ends:
             return NAP
         return float(min(NAP, max(0.05, min(ends) - time.monotonic())))
