@@ -312,18 +312,21 @@ class Bell(BellState):
                 self._lost(pooled)
 
     def tidy(self, pooled: Any) -> None:
-        """On the bell's connection, after a ring (or before it idles): the names left
-        without a round trip that nobody here waits for any more leave their lines for sure,
-        and if one of them was just rung (for nobody), the next is rung in its place; the
-        orphans' leases are given back (``Bells.give_back``)."""
+        """After a ring or a nap, on the bell's connection: the names left without a round
+        trip that nobody here waits for any more leave their lines for sure, and if one of
+        them was just rung (for nobody), the next is rung in its place. Then, on a pooled
+        connection (a release in a transaction must not run where a ring's KILL can end it
+        half way, its row locks held), the orphans' leases are given back
+        (``Bells.give_back``)."""
         with self.turn:
             names = self.stale()
         for name in names:
             pooled.deadline = time.monotonic() + pooled.timeout
             drive(self.store.bell_out(name, self.id, True), pooled.answer)
-        if self.store.orphans:
-            pooled.deadline = time.monotonic() + pooled.timeout
-            drive(self.store.give_back(), pooled.answer)
+        # on a pooled connection: a ring may KILL this one's statement
+        if self.store.orphans and self.driver.run(self.store.give_back(), "wait"):
+            for name in list(self.lines.names):  # passed on, perhaps to a waiter of ours
+                self.lines.ring(name)
 
     def _lost(self, pooled: Any) -> None:
         with self.lock:
@@ -506,8 +509,10 @@ class AsyncBell(BellState):
         for name in names:
             steps = self.store.bell_out(name, self.id, True)
             await asyncio.wait_for(adrive(steps, pooled.answer), timeout)
-        if self.store.orphans:
-            await asyncio.wait_for(adrive(self.store.give_back(), pooled.answer), timeout)
+        # on a pooled connection: a ring may KILL this one's statement
+        if self.store.orphans and await self.driver.run(self.store.give_back(), "wait"):
+            for name in list(self.lines.names):
+                self.lines.ring(name)
 
     async def aclose(self) -> None:
         task, self.task, self.pooled = self.task, None, None
