@@ -52,6 +52,7 @@ from latchkey.stores.io.mysql_dsn import MYSQL_DRIVER, store_connect_args
 from latchkey.stores.io.mysql_session import SESSION, Contended, Duplicate
 from latchkey.stores.mysql_bells import Bells, heir_of, ours_marked
 from latchkey.stores.mysql_tables import Tables
+from latchkey.stores.mysql_tables import micros as _us
 from latchkey.stores.primitives import AsyncStoreBackend, StoreBackend
 from latchkey.stores.rows_sql import MYSQL, RowClaims
 from latchkey.stores.sql import LeaseTable, Query
@@ -395,6 +396,3 @@ def _datetime(text: str) -> datetime:
     """'YYYY-MM-DD HH:MM:SS.ffffff' → aware UTC (with its offset: 6x faster than naive)."""
     return datetime.fromisoformat(text + "+00:00")
 
-
-def _us(seconds: float) -> int:
-    return max(1, round(seconds * 1_000_000))

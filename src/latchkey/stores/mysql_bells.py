@@ -53,7 +53,7 @@ from typing import Any, ClassVar, Protocol
 
 from latchkey.stores.io import Steps
 from latchkey.stores.io.mysql_session import NotPermitted, Refused, ThreadGone
-from latchkey.stores.mysql_tables import INFO_MAX
+from latchkey.stores.mysql_tables import INFO_MAX, micros
 from latchkey.stores.sql import Query
 
 # MariaDB's release, prepared per connection (a compound statement: parsed once), one round
@@ -390,7 +390,7 @@ def heir_of(owner: str, info: str, ttl: float, limit: int) -> Heir | None:
     for the bells' table."""
     if limit != 1 or not owner or len(info.encode()) > INFO_MAX:
         return None
-    return owner, info, max(1, round(ttl * 1_000_000))
+    return owner, info, micros(ttl)
 
 
 def ours_marked(lease: Sequence[str]) -> bool:

@@ -75,6 +75,11 @@ BEGIN NOT ATOMIC
 END"""
 
 
+def micros(seconds: float) -> int:
+    """A TTL as the tables and statements take it: whole microseconds, at least one."""
+    return max(1, round(seconds * 1_000_000))
+
+
 class Tables:
     """Creates the tables of a MySQL store (mixed into ``MySQL``, whose validated table name
     renders ``{t}``)."""

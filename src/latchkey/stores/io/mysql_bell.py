@@ -394,9 +394,9 @@ class AsyncBell(BellState):
     def lines(self) -> AsyncLines:
         return self.driver.backend.lines  # type: ignore[no-any-return]
 
-    async def join(self, name: str, heir: Any = None) -> AsyncWaiter:
+    async def join(self, name: str) -> AsyncWaiter:
+        """As :meth:`Bell.join`, naming no heir (``AsyncMySQLBackend.wait_in_line``)."""
         line = self.lines.join(name)
-        line.heir = heir
         try:
             await self.start()
         except StoreUnavailable as exc:
