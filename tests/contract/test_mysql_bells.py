@@ -550,6 +550,67 @@ def test_an_asyncio_waiter_cancelled_leaves_the_line_at_once(
     asyncio.run(main())
 
 
+def _running(sql: Callable[..., Any], text: str) -> int:
+    """Sessions whose statement (as the server shows it) contains ``text`` now (not
+    INNODB_LOCK_WAITS: InnoDB refreshes it only after 100 ms without a read)."""
+    running = """SELECT COUNT(*) FROM information_schema.PROCESSLIST
+        WHERE ID != CONNECTION_ID() AND LOCATE(%s, INFO) > 0"""
+    return int(sql(running, text)[0][0])
+
+
+@pytest.fixture
+def locker(store_url: str) -> Iterator[tuple[pymysql.Connection[Any], str]]:
+    """Another session (not autocommit), for transactions that hold InnoDB locks on the
+    store's table; and that table's name."""
+    backend = open_backend(store_url)
+    assert isinstance(backend, MySQLBackend)
+    backend.init()
+    conn = pymysql.connect(**{**connect_args(backend), "autocommit": False})
+    yield conn, backend.store.table
+    conn.close()
+    backend.close()
+
+
+def test_a_bell_leaving_never_holds_the_bells_table_while_it_waits_for_a_lease(
+    store_url: str, sql: Callable[..., Any], locker: tuple[Any, str]
+) -> None:
+    """A rung waiter that leaves without the lease passes the ring on if the name is free:
+    it reads the lease table with a lock (a statement that is not a plain SELECT) and may
+    wait for a release's row lock. A release holds that row lock while it still has the
+    bells table to write (it takes the rung bell out of the line): the leaving statement
+    must not hold the bells table as it waits, or each waits for the other until a
+    lock-wait timeout ends one (2 s stalls were seen under load)."""
+    conn, table = locker
+    with latchkey.connect(store_url) as store, store.lock("w", ttl="60s"):
+        with conn.cursor() as cur:  # a release in flight: the lease row locked
+            cur.execute(f"SELECT * FROM {table} WHERE name = %s FOR UPDATE", (b"w",))
+        backend = open_backend(store_url)
+        assert isinstance(backend, MySQLBackend)
+        failed: list[BaseException] = []
+
+        def leave() -> None:
+            try:
+                backend.io.run(backend.store.bell_out("w", 4000000001, True), "wait")
+            except BaseException as exc:  # reported below
+                failed.append(exc)
+
+        thread = threading.Thread(target=leave, daemon=True)
+        try:
+            thread.start()
+            eventually(lambda: _running(sql, f"FROM {table} WHERE name") == 1,
+                       what="the bell's read waiting")  # fmt: skip
+            with conn.cursor() as cur:  # the release takes its rung bell out: not held up
+                cur.execute("SET SESSION lock_wait_timeout = 1")
+                cur.execute(f"DELETE FROM {table}_bells WHERE name = %s", (b"w",))
+            conn.commit()
+            thread.join(10)
+            assert not thread.is_alive() and not failed, failed
+        finally:
+            conn.rollback()
+            thread.join(10)
+            backend.close()
+
+
 def test_a_waiter_is_named_heir_only_for_a_mutex_it_can_be_handed() -> None:
     from latchkey.stores.mysql_bells import heir_of
     from latchkey.stores.mysql_tables import INFO_MAX

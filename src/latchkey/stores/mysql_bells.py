@@ -165,19 +165,20 @@ UPDATE {t} SET waited = 1
 
 # A process's last waiter for a name leaves: its bell leaves the line. With ``pass`` (it was
 # rung and leaves without the lease) and the name free, the next bell is taken out and rung
-# in its place. In: name, conn, pass. Out: one row: the bell to ring (or NULL).
+# in its place. In: name, conn, pass. Out: one row: the bell to ring (or NULL). Never one
+# statement reading both tables: it would hold the MEMORY table's lock while its (locking)
+# read waits for a release's row lock, as that release waits for the MEMORY table.
 BELL_OUT = """
 DELETE FROM {t}_bells WHERE name = %(name)s AND server = @@server_id AND conn = %(conn)s;
-SET @lk_w = IF(%(pass)s AND NOT EXISTS (
-        SELECT 1 FROM {t} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6)),
-    (SELECT conn FROM {t}_bells WHERE name = %(name)s AND server = @@server_id
-      ORDER BY since, conn LIMIT 1), NULL);
+SET @lk_f = %(pass)s AND NOT EXISTS (
+        SELECT 1 FROM {t} WHERE name = %(name)s AND expires_at > UTC_TIMESTAMP(6));
+SET @lk_w = IF(@lk_f, (SELECT conn FROM {t}_bells WHERE name = %(name)s
+    AND server = @@server_id ORDER BY since, conn LIMIT 1), NULL);
 DELETE FROM {t}_bells WHERE name = %(name)s AND server = @@server_id AND conn = @lk_w;
 SELECT @lk_w"""
 
 # A KILL found no such connection (its process died, or its bell broke): its bells go, and
-# the next of the name's line is taken out to be rung instead. In: name, conn. Out: as
-# BELL_OUT.
+# the next of the name's line is taken out to be rung instead. In: name, conn. Out: BELL_OUT's.
 BELL_GONE = """
 DELETE FROM {t}_bells WHERE server = @@server_id AND conn = %(conn)s;
 SET @lk_w = (SELECT conn FROM {t}_bells WHERE name = %(name)s AND server = @@server_id
