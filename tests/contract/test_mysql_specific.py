@@ -1228,10 +1228,22 @@ def test_async_cancelled_wait_leaves_nothing_held(table_url: str) -> None:
         holder.close()
 
 
+def _running(conn: pymysql.connections.Connection, text: str) -> int:
+    """Other sessions whose statement (as the server shows it) contains ``text`` now."""
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+            "WHERE ID != CONNECTION_ID() AND LOCATE(%s, INFO) > 0",
+            (text,),
+        )
+        return int(cur.fetchone()[0])
+
+
 def test_async_cancelled_statement_discards_its_connection(base: str, table_url: str) -> None:
-    """Cancelled while its statement waits for a row lock in the server: that connection is
-    closed, never pooled again, and the next call works on another."""
-    url, name = with_query(table_url, timeout="10s"), "async-cancelled-statement"
+    """A call that cannot grant (an extend) cancelled while its statement waits for a row
+    lock in the server ends at once: that connection is closed, never pooled again, and the
+    next call works on another."""
+    url, name, owner = with_query(table_url, timeout="10s"), "async-cancelled-extend", _owner()
     root = _root(base)
     table = table_url.rsplit("table=", 1)[1]
 
@@ -1239,16 +1251,12 @@ def test_async_cancelled_statement_discards_its_connection(base: str, table_url:
         store = latchkey.connect_async(url)
         backend = store.backend
         assert isinstance(backend, AsyncMySQLBackend)
-        await store.init()  # the tables exist
-        with root.cursor() as cur:  # an uncommitted row for the name: takers wait for it
+        assert isinstance(await backend.acquire(name, owner, INFO, 60.0, 1), Grant)
+        with root.cursor() as cur:  # the lease row locked: the extend waits for it
             cur.execute("BEGIN")
-            cur.execute(
-                f"INSERT INTO {table} (name, slot, owner, owner_info, acquired_at, expires_at) "
-                "VALUES (%s, 0, 'x', '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6))",
-                (name.encode(),),
-            )
-        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait="30s").acquire())
-        await _until(lambda: _inserting(root, table), "a row-lock wait")
+            cur.execute(f"SELECT * FROM {table} WHERE name = %s FOR UPDATE", (name.encode(),))
+        task = asyncio.ensure_future(backend.extend(name, owner, 60.0))
+        await _until(lambda: _running(root, f"UPDATE {table} "), "a row-lock wait")
         pool = backend.io.pool
         (waiting,) = pool._busy  # id() of the connection in the row-lock wait
         task.cancel()
@@ -1256,9 +1264,44 @@ def test_async_cancelled_statement_discards_its_connection(base: str, table_url:
             await task
         assert not pool._busy and waiting not in [id(conn) for conn, _ in pool._idle]
         root.rollback()
-        lock = store.lock(name, ttl="60s", wait=0)
-        assert await lock.acquire() is True
-        assert await lock.release() is True
+        assert await backend.release(name, owner) is True
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        root.close()
+
+
+def test_async_acquire_cancelled_in_the_server_runs_to_its_end(
+    base: str, table_url: str
+) -> None:
+    """An acquire cancelled while its statement waits in the server (here for a gap lock
+    another session holds) is not dropped: the statement runs to its end, then the core's
+    release after the cancellation ends what it granted. Dropped (its connection closed), it
+    would still run in the server after that release — which waits for nothing: there is no
+    row to lock — and grant a lease to nobody for its TTL."""
+    url, name = with_query(table_url, timeout="10s"), "\U0010ffff gap"  # sorts last
+    root = _root(base)
+    table = table_url.rsplit("table=", 1)[1]
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        await store.init()  # the tables exist
+        with root.cursor() as cur:  # the gap before the index's end locked: inserts wait
+            cur.execute("BEGIN")
+            cur.execute(f"SELECT * FROM {table} WHERE name = %s FOR UPDATE", (name.encode(),))
+        task = asyncio.ensure_future(store.lock(name, ttl="60s", wait=0).acquire())
+        await _until(lambda: _inserting(root, table), "the acquire waiting in the server")
+        task.cancel()
+        # Dropped, it would end at once (the release waits for nothing); run to its end, it
+        # waits for the gap. Either way, then the gap is freed:
+        await asyncio.wait({task}, timeout=1.0)
+        root.rollback()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: not _inserting(root, table), "the acquire's statement done")
+        assert await store.inspect(name) is None, "a cancelled acquire left a lease to nobody"
         await store.aclose()
 
     try:

@@ -42,7 +42,14 @@ from asyncmy.constants import CLIENT
 
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
-from latchkey.stores.io.aio import AsyncDriver, AsyncPinned, AsyncPool, adrive, bounded
+from latchkey.stores.io.aio import (
+    AsyncDriver,
+    AsyncPinned,
+    AsyncPool,
+    adrive,
+    bounded,
+    to_the_end,
+)
 from latchkey.stores.io.mysql_bell import AsyncBell
 from latchkey.stores.io.mysql_dsn import (
     WRITABLE,
@@ -72,6 +79,8 @@ ASYNC_DRIVER_ERRORS: tuple[type[BaseException], ...] = (
 POOL_SIZE = 8
 #: A connection idle this long is pinged before use (the server may have ended it).
 IDLE_PING = 1.0
+#: The primitives that may grant a lease: run to their end even if their caller is cancelled.
+GRANTING = frozenset({"acquire", "claim"})
 # asyncmy logs the server's notes (CREATE TABLE IF NOT EXISTS on an existing table) at
 # warning level; they are expected at every connect, so the session does not raise them.
 QUIET = "SET sql_notes = 0"
@@ -237,7 +246,18 @@ class AsyncmyDriver(AsyncDriver):
         the primitive after it, end within one store timeout, counted from when the first of
         them began; the turn for a connection is not bounded (it waits behind this loop's
         other calls, each of them bounded): 1,000 coroutines polling one name queue for 8
-        connections for longer than a timeout under load."""
+        connections for longer than a timeout under load.
+
+        A primitive that may grant (``GRANTING``) is not dropped when its caller is
+        cancelled: it runs to its end first (:func:`~latchkey.stores.io.aio.to_the_end`).
+        Dropped, its connection closed, its statement would still run in the server — one
+        waiting for a row lock, for as long as that wait — and could grant after the core's
+        release that follows a cancellation, leaving the lease held by nobody until its TTL."""
+        if action in GRANTING:
+            return await to_the_end(self._run(steps, action))
+        return await self._run(steps, action)
+
+    async def _run(self, steps: Steps[T], action: str) -> T:
         token = _STARTED.set(None)
         try:
             async with self.pool.connection(math.inf) as pooled:
