@@ -380,12 +380,11 @@ class AsyncMySQLBackend(AsyncStoreBackend):
     store_class = MySQL
 
     async def wait_in_line(self, name: str, owner: str, info: str, ttl: float, limit: int) -> Any:
-        """MariaDB: rung, never named heir: a cancelled task's statement may still run in
-        the server, and a lease handed to it could stay until its TTL (docs/stores/mysql.md)."""
+        """As the sync backend's: a mutex waiter is its bell's heir (``mysql_bells``)."""
         bell = self.io.bell if self.store.prepared else None  # type: ignore[attr-defined]
         if bell is None:
             return await super().wait_in_line(name, owner, info, ttl, limit)
-        return await bell.join(name)
+        return await bell.join(name, heir_of(owner, info, ttl, limit))
 
 
 def _text(value: str | bytes) -> str:

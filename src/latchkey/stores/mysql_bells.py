@@ -10,11 +10,11 @@ order processes came; it also marks the live lease ``waited``. A release of a le
 marked takes the first bell of its name out of the table and KILLs its query.
 
 **Hand-over.** The bell names its *heir*: the owner, JSON and TTL of its process's first
-waiter of the name (a sync mutex waiter's; others are only rung: ``heir_of``,
-``AsyncMySQLBackend.wait_in_line``). The release that rings the bell takes its live lease
-over for the heir in the same transaction (:data:`HAND_OVER`), so a hand-off is one commit,
-not two: the woken waiter's attempt waits for the release's row lock and finds its own live
-lease. When the process's first waiter leaves, the bell names the next one, or leaves.
+waiter of the name (a mutex waiter's; others are only rung: ``heir_of``). The release that
+rings the bell takes its live lease over for the heir in the same transaction
+(:data:`HAND_OVER`), so a hand-off is one commit, not two: the woken waiter's attempt waits
+for the release's row lock and finds its own live lease. When the process's first waiter
+leaves, the bell names the next one, or leaves.
 
 How no wake-up and no lease is lost, and why the uncontended path costs nothing:
 

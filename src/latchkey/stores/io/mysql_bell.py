@@ -19,9 +19,10 @@ sleep (the statements, and why no wake-up is lost: :mod:`latchkey.stores.mysql_b
   of the process's first waiter of the name (:meth:`Lines.first_heir`; a mutex waiter's
   ``heir``, set at join), to whom a release hands the lease. When that waiter leaves, the
   bell names the next one; one that leaves without the lease gives back what it may have
-  been handed meanwhile (:meth:`BellState.giving_back`). Only sync waiters are named
-  (``AsyncMySQLBackend.wait_in_line`` says why); an asyncio waiter's cancel is still a
-  finished wait here (its bell leaves the line at once), a store error is not.
+  been handed meanwhile (:meth:`BellState.giving_back`). An asyncio waiter's cancel is a
+  finished wait here (its bell leaves the line at once), a store error is not. Bells leave
+  lines only under the turn, as they join them: a bell taken out after a waiter that came
+  since put it back in would leave the store believing it names an heir it no longer names.
 - If the bell's connection fails, every waiter is woken once, tries, and from then on polls
   (the core's backoff); the next wait starts a new bell. What is handed to whom is decided
   in the server, by the store's statements (:mod:`latchkey.stores.mysql_bells`).
@@ -317,12 +318,12 @@ class Bell(BellState):
         them was just rung (for nobody), the next is rung in its place. Then, on a pooled
         connection (a release in a transaction must not run where a ring's KILL can end it
         half way, its row locks held), the orphans' leases are given back
-        (``Bells.give_back``)."""
+        (``Bells.give_back``). The names leave under the turn: a waiter of the name that
+        came since must not put the bell back in (naming its heir) before this takes it out."""
         with self.turn:
-            names = self.stale()
-        for name in names:
-            pooled.deadline = time.monotonic() + pooled.timeout
-            drive(self.store.bell_out(name, self.id, True), pooled.answer)
+            for name in self.stale():
+                pooled.deadline = time.monotonic() + pooled.timeout
+                drive(self.store.bell_out(name, self.id, True), pooled.answer)
         # on a pooled connection: a ring may KILL this one's statement
         if self.store.orphans and self.driver.run(self.store.give_back(), "wait"):
             for name in list(self.lines.names):  # passed on, perhaps to a waiter of ours
@@ -394,9 +395,10 @@ class AsyncBell(BellState):
     def lines(self) -> AsyncLines:
         return self.driver.backend.lines  # type: ignore[no-any-return]
 
-    async def join(self, name: str) -> AsyncWaiter:
-        """As :meth:`Bell.join`, naming no heir (``AsyncMySQLBackend.wait_in_line``)."""
+    async def join(self, name: str, heir: Any = None) -> AsyncWaiter:
+        """As :meth:`Bell.join`."""
         line = self.lines.join(name)
+        line.heir = heir
         try:
             await self.start()
         except StoreUnavailable as exc:
@@ -503,12 +505,11 @@ class AsyncBell(BellState):
 
     async def tidy(self, pooled: Any) -> None:
         assert self.turn is not None
-        async with self.turn:
-            names = self.stale()
         timeout = self.driver.backend.timeout
-        for name in names:
-            steps = self.store.bell_out(name, self.id, True)
-            await asyncio.wait_for(adrive(steps, pooled.answer), timeout)
+        async with self.turn:
+            for name in self.stale():
+                steps = self.store.bell_out(name, self.id, True)
+                await asyncio.wait_for(adrive(steps, pooled.answer), timeout)
         # on a pooled connection: a ring may KILL this one's statement
         if self.store.orphans and await self.driver.run(self.store.give_back(), "wait"):
             for name in list(self.lines.names):
