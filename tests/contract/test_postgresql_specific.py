@@ -1665,13 +1665,13 @@ def test_async_statements_through_libpq_keep_the_values_and_survive_deallocate_a
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("where", ["acquire", "release"])
+@pytest.mark.parametrize("where", ["extend", "release"])
 def test_async_a_statement_cancelled_in_flight_discards_its_connection(
     pg_base: str, sql: psycopg.Connection[tuple[object, ...]], where: str
 ) -> None:
-    """A coroutine cancelled while its statement runs in the server (here: blocked on a row
-    lock another connection holds) leaves no half-read connection behind: it is closed, and
-    the next call opens a new one and works."""
+    """A coroutine cancelled while its statement runs in the server (here: blocked on a lock
+    another connection holds) leaves no half-read connection behind: it is closed, and the
+    next call opens a new one and works. (An acquire runs to its end instead: below.)"""
     url = _url(pg_base, "postgresql")
     table = url.rsplit("table=", 1)[1]
 
@@ -1680,14 +1680,13 @@ def test_async_a_statement_cancelled_in_flight_discards_its_connection(
             backend: Any = store.backend
             owner = _owner()
             await backend.init()
-            if where == "release":
-                assert isinstance(await backend.acquire("n", owner, INFO, 60), Grant)
+            assert isinstance(await backend.acquire("n", owner, INFO, 60), Grant)
             blocker = await psycopg.AsyncConnection.connect(pg_base)
             try:
                 await blocker.execute(f'LOCK TABLE "{table}" IN ACCESS EXCLUSIVE MODE')
                 session = _session(backend)
                 conn_before = session.conn
-                call = (backend.acquire("n", owner, INFO, 60) if where == "acquire"
+                call = (backend.extend("n", owner, 60) if where == "extend"
                         else backend.release("n", owner))  # fmt: skip
                 task = asyncio.ensure_future(call)
                 while not await asyncio.to_thread(lambda: sql.execute(
@@ -1703,10 +1702,54 @@ def test_async_a_statement_cancelled_in_flight_discards_its_connection(
             finally:
                 await blocker.rollback()
                 await blocker.close()
-            if where == "release":  # the lease is still ours: the cancelled release never ran
-                assert await backend.release("n", owner) is True
+            assert await backend.release("n", owner) is True  # the cancelled call never ran
             assert isinstance(await backend.acquire("n", owner, INFO, 60), Grant)
             assert await backend.release("n", owner) is True
+
+    asyncio.run(main())
+
+
+def test_async_an_acquire_cancelled_in_flight_runs_to_its_end(
+    pg_base: str, sql: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    """An acquire cancelled while its statement waits in the server (here for the row lock
+    of an expired lease another connection holds) is not dropped: it runs to its end, then
+    the core's release after the cancellation ends what it granted. Dropped (its connection
+    closed), the statement would still run in the server, which does not notice a client
+    gone while it waits — after that release, which waits for nothing (the row it sees is
+    not the owner's) — and grant a lease to nobody for its TTL."""
+    url = _url(pg_base, "postgresql")
+    table = url.rsplit("table=", 1)[1]
+
+    def lock_waits() -> int:  # statements on this test's table waiting for a lock
+        waiting = """SELECT count(*) FROM pg_stat_activity
+            WHERE wait_event_type = 'Lock' AND position(%s in query) > 0"""
+        return int(sql.execute(waiting, (table,)).fetchone()[0])  # type: ignore[index]
+
+    async def main() -> None:
+        async with latchkey.connect_async(url) as store:
+            backend: Any = store.backend
+            await backend.init()
+            assert isinstance(await backend.acquire("n", _owner(), INFO, 60), Grant)
+            sql.execute(f'UPDATE "{table}" SET expires_at = now() - interval \'1 s\'')
+            blocker = await psycopg.AsyncConnection.connect(pg_base)
+            try:  # the expired lease's row locked: a taker waits for it, a release does not
+                await blocker.execute(f'SELECT 1 FROM "{table}" FOR UPDATE')
+                task = asyncio.ensure_future(store.lock("n", ttl="60s", wait=0).acquire())
+                while not await asyncio.to_thread(lock_waits):
+                    assert not task.done()
+                    await asyncio.sleep(0.01)
+                task.cancel()
+                # Dropped, it would end at once; run to its end, it waits for the row. Then:
+                await asyncio.wait({task}, timeout=1.0)
+            finally:
+                await blocker.rollback()
+                await blocker.close()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            while await asyncio.to_thread(lock_waits):
+                await asyncio.sleep(0.01)  # (dropped: the statement is still running)
+            assert await store.inspect("n") is None, "a cancelled acquire left a lease"
 
     asyncio.run(main())
 

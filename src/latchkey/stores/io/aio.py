@@ -71,6 +71,11 @@ async def awoken(event: asyncio.Event, timeout: float) -> bool:
     return woke
 
 
+#: The primitives (``AsyncDriver.run``'s ``action``) that may grant a lease: drivers whose
+#: server runs a statement on after its connection is dropped run these :func:`to_the_end`.
+GRANTING = frozenset({"acquire", "claim"})
+
+
 async def to_the_end(request: Awaitable[T]) -> T:
     """Await a request that may grant leases; if the caller is cancelled meanwhile, let the
     request finish first (the driver's timeout bounds it), then pass the cancellation on.

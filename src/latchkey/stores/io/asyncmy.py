@@ -43,6 +43,7 @@ from asyncmy.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import (
+    GRANTING,
     AsyncDriver,
     AsyncPinned,
     AsyncPool,
@@ -79,8 +80,6 @@ ASYNC_DRIVER_ERRORS: tuple[type[BaseException], ...] = (
 POOL_SIZE = 8
 #: A connection idle this long is pinged before use (the server may have ended it).
 IDLE_PING = 1.0
-#: The primitives that may grant a lease: run to their end even if their caller is cancelled.
-GRANTING = frozenset({"acquire", "claim"})
 # asyncmy logs the server's notes (CREATE TABLE IF NOT EXISTS on an existing table) at
 # warning level; they are expected at every connect, so the session does not raise them.
 QUIET = "SET sql_notes = 0"

@@ -37,12 +37,14 @@ from latchkey.errors import StoreUnavailable
 from latchkey.stores.base import AsyncWaiter
 from latchkey.stores.io import Steps
 from latchkey.stores.io.aio import (
+    GRANTING,
     AsyncDriver,
     AsyncPinned,
     AsyncPool,
     adrive,
     awoken,
     cut_after,
+    to_the_end,
 )
 from latchkey.stores.io.pgconnect import Resolve, Wait, addresses, connecting
 from latchkey.stores.io.psycopg import (
@@ -554,6 +556,16 @@ class AsyncPsycopgDriver(AsyncDriver):
         raise NotImplementedError
 
     async def run(self, steps: Steps[T], action: str) -> T:
+        """The primitive on one pooled link. One that may grant (``GRANTING``) runs to its
+        end if its caller is cancelled (:func:`~latchkey.stores.io.aio.to_the_end`): its
+        connection closed, the server would still run a statement waiting for a row lock
+        (PostgreSQL does not notice a client gone while it waits) and could grant after the
+        core's release that follows a cancellation. Any other is cut, its link discarded."""
+        if action in GRANTING:
+            return await to_the_end(self._run(steps, action))
+        return await self._run(steps, action)
+
+    async def _run(self, steps: Steps[T], action: str) -> T:
         pool = self.pool
         try:
             async with self.turns:
