@@ -278,8 +278,8 @@ class MySQL(Tables, Bells, RowClaims, LeaseTable):
     def acquire(
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
-        if self.orphans:  # a lease handed to a wait that had failed is given back first
-            yield from self.give_back(name)
+        if self.orphans:  # a lease handed to a wait that failed, never given back: first
+            yield from self.give_back(name, again=False)  # (the bell gives back again)
         if limit == 1 and self.prepared:  # a tuple is cheaper to escape than a dict
             query = Query(EXECUTE_ACQUIRE_ARGS, (name.encode(), owner, owner_info, _us(ttl), owner))
         else:

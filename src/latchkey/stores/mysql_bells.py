@@ -291,17 +291,16 @@ class Bells:
         """An heir left without the lease: see :attr:`orphans`."""
         self.orphans.setdefault((name, owner), None)
 
-    def give_back(self, name: str | None = None) -> Steps[bool]:
+    def give_back(self, name: str | None = None, again: bool = True) -> Steps[bool]:
         """The orphans' (of ``name``; None: of every name) leases released, by a release
         that also stops a bell of ours naming the owner: that passes a handed lease on. The
-        first time, one release each; after that, one read finds the few that hold a lease.
-        Safe whoever runs it: an owner is one acquire call's, and that call has ended (or is
-        ending) without a grant, so a live lease of that owner is nobody's. Whether one was
-        live."""
+        first time, one release each; after that (unless not ``again``: the bell's), one read
+        finds the few that hold a lease. Safe whoever runs it: an owner is one acquire call's,
+        and that call ended without a grant: its live lease is nobody's. Whether one was live."""
         now, found = time.monotonic(), False
         mine = [key for key in list(self.orphans) if name is None or key[0] == name]
         held = [key for key in mine if self.orphans.get(key) is None]
-        known = [key for key in mine if self.orphans.get(key) is not None]
+        known = [key for key in mine if again and self.orphans.get(key) is not None]
         if known:
             marks = ", ".join(["%s"] * len(known))
             sql = self.HELD_BY.format(names=marks, owners=marks)
