@@ -21,6 +21,7 @@ import pytest
 import latchkey
 from latchkey import LockLost, StoreUnavailable
 from tests import servers
+from tests.appdb import AppDB
 from tests.conftest import ROWS, _unavailable
 from tests.faults.proxy import Proxies
 from tests.helpers import eventually
@@ -388,6 +389,51 @@ def test_a_claim_whose_answer_was_lost_gives_the_names_back(
         return claim.acquired == names
 
     eventually(all_free, timeout=20, what="the claim's names given back")
+
+
+#: What a row lease sends first that may lease rows, where it is not its first request: on
+#: MySQL/MariaDB a lease reads the due rows, then claims them (``SET @lk_own = …; START
+#: TRANSACTION; …``); a mute from the start would lose the read's answer, and nothing would be
+#: leased. PostgreSQL leases in its one statement.
+LEASE_WRITE = {"mysql": b"@lk_own"}
+
+
+def test_a_row_lease_whose_answer_was_lost_gives_the_rows_back(
+    cut: Cut,
+    connect: Callable[[str], latchkey.Store],
+) -> None:
+    """A lease of rows whose write reaches the server, which commits it, but whose answer is
+    lost (a proxy that drops the server's replies from that write on): StoreUnavailable
+    within the timeout and a small margin, and the rows it cannot know it leased are given
+    back in the background once the network heals, found by the batch's owner — long
+    before their 60 s leases would have ended."""
+    store = connect(servers.with_query(cut.url, timeout="1s"))
+    if not store.capabilities.rows:
+        pytest.skip(f"{store.scheme}: the store claims no rows")
+    app = AppDB(cut.other)
+    try:
+        table = app.create_events(3)
+        queue = store.rows(table, where="processed_at IS NULL", order_by="id")
+        with queue.lease(limit=3, ttl="10s") as first:  # connections open before the fault
+            assert [row["id"] for row in first] == [1, 2, 3]
+        cut.proxies.set("mute", on=LEASE_WRITE.get(store.scheme))
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            queue.lease(limit=3, ttl="60s").__enter__()
+        assert time.monotonic() - started < 1.0 + 2.0  # the timeout, latchkey's margin, slack
+        cut.proxies.heal()
+        other = connect(cut.other).rows(table, where="processed_at IS NULL", order_by="id")
+
+        def all_due() -> bool:
+            try:
+                with other.lease(limit=3, ttl="10s") as batch:
+                    return [row["id"] for row in batch] == [1, 2, 3]
+            except StoreUnavailable:  # a connection the proxy reset as it healed
+                return False
+
+        eventually(all_due, timeout=20, what="the lost lease's rows given back")
+    finally:
+        app.close()
 
 
 #: The rows whose servers are found through the URL's address, with a proxied setup: each

@@ -1310,6 +1310,61 @@ def test_async_acquire_cancelled_in_the_server_runs_to_its_end(
         root.close()
 
 
+def test_async_a_row_lease_cancelled_in_the_server_gives_its_rows_back(
+    base: str, table_url: str
+) -> None:
+    """A lease of rows cancelled while its claim waits in the server (here for a gap lock
+    another session holds) runs to its end, then gives back what it leased, found by the
+    batch's owner: the rows are due again at once. Dropped (its connection closed), the claim
+    would still run in the server and commit leases that nobody holds, the rows out of reach
+    for their TTL."""
+    url = with_query(table_url, timeout="10s")
+    root = _root(base)
+    table = table_url.rsplit("table=", 1)[1]
+    events = f"ev_{uuid.uuid4().hex[:12]}"
+    with root.cursor() as cur:
+        cur.execute(f"CREATE TABLE {events} (id INT PRIMARY KEY, processed_at INT)")
+        cur.execute(f"INSERT INTO {events} (id) VALUES (1), (2), (3)")
+    root.commit()
+
+    def claiming() -> int:  # the lease's claim running in another session
+        with root.cursor() as cur:
+            cur.execute(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST "
+                "WHERE ID != CONNECTION_ID() AND LOCATE(%s, INFO) > 0 AND LOCATE(%s, INFO) > 0",
+                ("@lk_own", table),
+            )
+            return int(cur.fetchone()[0])
+
+    async def scenario() -> None:
+        store = latchkey.connect_async(url)
+        await store.init()  # the tables exist
+        queue = store.rows(events, order_by="id")
+        with root.cursor() as cur:  # the gap before the index's end locked: inserts wait
+            cur.execute("BEGIN")
+            cur.execute(f"SELECT * FROM {table} WHERE name = %s FOR UPDATE", (b"\xff",))
+        task = asyncio.ensure_future(queue.lease(limit=3, ttl="60s").__aenter__())
+        await _until(claiming, "the lease's claim waiting in the server")
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)  # dropped, it would end at once
+        root.rollback()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: not claiming(), "the lease's claim done")
+        for key in (1, 2, 3):
+            assert await store.inspect(f"{events}:{key}") is None, "a cancelled lease left one"
+        async with queue.lease(limit=3, ttl="60s") as again:
+            assert [row["id"] for row in again] == [1, 2, 3]
+        await store.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        with root.cursor() as cur:
+            cur.execute(f"DROP TABLE {events}")
+        root.close()
+
+
 @pytest.mark.parametrize("scheme", ["mysql", "mysql+getlock"])
 def test_async_silent_server_times_out_within_the_timeout(scheme: str) -> None:
     """A peer that accepts and never answers: StoreUnavailable after about ``timeout``."""

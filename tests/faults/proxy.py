@@ -4,9 +4,10 @@ Modes (:meth:`Proxy.set`): ``pass`` (forward, optionally with added latency), ``
 (connections stay open and new ones are accepted, but nothing is forwarded in either
 direction and nobody is told: the kernel buffers fill, reads hang — a partition that drops
 packets), ``mute`` (requests reach the server, its answers are dropped: a write that happened
-but whose reply was lost), and :meth:`Proxy.reset` (every open connection is closed with a
-TCP reset; new connections pass). :meth:`Proxy.heal` returns to plain forwarding. Threads,
-no asyncio, so the test process can drive it from anywhere.
+but whose reply was lost; or only from a request that holds given bytes on), and
+:meth:`Proxy.reset` (every open connection is closed with a TCP reset; new connections pass).
+:meth:`Proxy.heal` returns to plain forwarding. Threads, no asyncio, so the test process can
+drive it from anywhere.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Proxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._mode = "pass"
+        self._mute_on: bytes | None = None
         self._latency = 0.0
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -33,9 +35,13 @@ class Proxy:
 
     # -- control -------------------------------------------------------------------------------
 
-    def set(self, mode: str, latency: float = 0.0) -> None:
+    def set(self, mode: str, latency: float = 0.0, on: bytes | None = None) -> None:
+        """``on`` (``mute`` only): forward until a client sends bytes that contain it, then
+        mute, from that request's answer on (the write of a call of several statements)."""
         assert mode in ("pass", "blackhole", "mute"), mode
-        self._mode, self._latency = mode, latency
+        assert on is None or mode == "mute", mode
+        self._mute_on = on
+        self._mode, self._latency = ("pass" if on else mode), latency
 
     def heal(self) -> None:
         """Forward again. Connections that lost answers while muted are reset first: a byte
@@ -43,7 +49,7 @@ class Proxy:
         and a client that kept one would read the next answer as the lost one's."""
         if self._mode == "mute":
             self.reset()
-        self.set("pass")
+        self.set("pass")  # (and no mute to come)
 
     def reset(self) -> None:
         """Close every open connection with an RST (SO_LINGER 0); the mode is kept."""
@@ -96,6 +102,8 @@ class Proxy:
                         return
                     if self._mode == "mute" and sock is b:
                         continue  # the server's answer, dropped
+                    if self._mute_on is not None and sock is a and self._mute_on in data:
+                        self._mode, self._mute_on = "mute", None  # before the request goes
                     if self._latency:
                         time.sleep(self._latency)
                     peer[sock].sendall(data)
@@ -130,9 +138,9 @@ class Proxies:
         self.proxies.append(Proxy(host, port))
         return self.proxies[-1]
 
-    def set(self, mode: str, latency: float = 0.0) -> None:
+    def set(self, mode: str, latency: float = 0.0, on: bytes | None = None) -> None:
         for proxy in self.proxies:
-            proxy.set(mode, latency)
+            proxy.set(mode, latency, on)
 
     def heal(self) -> None:
         for proxy in self.proxies:

@@ -425,16 +425,20 @@ class LeaseCore:
 GIVE_BACK_FIRST, GIVE_BACK_CAP = 0.1, 2.0
 
 
-def give_back(release: Op, ttl: float) -> Steps[None]:
-    """Carry out ``release`` — an owner-checked ``release`` of one name, or ``release_many``
-    of a batch claim's names — for a call that failed and may have taken them before its
-    answer was lost: tried until a release gets an answer, or until the lease would have
-    ended anyway. Run in the background (a thread or a task), so a store that stays
-    unreachable costs the caller nothing."""
+def give_back(release: Op | Callable[[], Steps[Any]], ttl: float) -> Steps[None]:
+    """Carry out ``release`` — an owner-checked ``release`` of one name, ``release_many``
+    of a batch claim's names, or the steps that find and release a lease batch's rows —
+    for a call that failed and may have taken them before its answer was lost: tried until
+    a release gets an answer, or until the lease would have ended anyway. Run in the
+    background (a thread or a task), so a store that stays unreachable costs the caller
+    nothing."""
     until, pause = time.monotonic() + ttl, GIVE_BACK_FIRST
     while True:
         try:
-            yield release
+            if callable(release):
+                yield from release()
+            else:
+                yield release
             return
         except StoreUnavailable:
             if time.monotonic() + pause >= until:

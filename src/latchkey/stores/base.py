@@ -43,6 +43,8 @@ LeasedRows = list[tuple[dict[str, Any], Grant]]
 RowTuples = list[tuple[Any, ...]]
 #: ``rows_status``'s answer.
 RowStates = list[RowState]
+#: ``rows_held``'s answer: lease names.
+Names = list[str]
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,11 @@ class Backend(BackendBase, abc.ABC):
         """Lease up to ``limit`` due rows with no live lease (names ``<table>:<key>``)."""
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
+    def rows_held(self, spec: RowSpec, owner: str) -> Names:
+        """The lease names of ``spec``'s rows whose lease rows name ``owner``: what a lease
+        batch whose answer was lost may hold, for it to give back."""
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
     def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:
         """Open a transaction on a connection held for the caller, for the work of leased
         rows, and return the handle: ``.execute(sql, params)`` in that transaction,
@@ -491,6 +498,9 @@ class AsyncBackend(BackendBase, abc.ABC):
     async def rows_lease(
         self, spec: RowSpec, owner: str, owner_info: str, ttl: float, limit: int
     ) -> LeasedRows:
+        raise Unsupported(f"the {self.scheme} store does not support row claiming")
+
+    async def rows_held(self, spec: RowSpec, owner: str) -> Names:
         raise Unsupported(f"the {self.scheme} store does not support row claiming")
 
     async def rows_complete(self, names: Sequence[str], owner: str, tokens: Sequence[int]) -> Any:

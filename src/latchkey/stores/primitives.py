@@ -41,6 +41,7 @@ from latchkey.stores.base import (
     BackendBase,
     Capabilities,
     LeasedRows,
+    Names,
     RowStates,
     RowTuples,
 )
@@ -323,6 +324,9 @@ class StoreBackend(_NoIO, Backend):
         steps = rows.rows_lease(spec, owner, owner_info, ttl, limit)
         return self._pinned(steps, "lease rows", user=True)  # type: ignore[no-any-return]
 
+    def rows_held(self, spec: RowSpec, owner: str) -> Names:
+        return self._pinned(self._rows().rows_held(spec, owner), "read leases")  # type: ignore[no-any-return]
+
     def rows_execute(self, sql: str, params: Any) -> RowTuples:
         steps = self._rows().rows_execute(sql, params)
         return self._pinned(steps, "execute", user=True)  # type: ignore[no-any-return]
@@ -488,6 +492,10 @@ class AsyncStoreBackend(_NoIO, AsyncBackend):
     ) -> LeasedRows:
         steps = self._rows().rows_lease(spec, owner, owner_info, ttl, limit)
         return await self._pinned(steps, "lease rows", user=True)  # type: ignore[no-any-return]
+
+    async def rows_held(self, spec: RowSpec, owner: str) -> Names:
+        steps = self._rows().rows_held(spec, owner)
+        return await self._pinned(steps, "read leases")  # type: ignore[no-any-return]
 
     async def rows_execute(self, sql: str, params: Any) -> RowTuples:
         steps = self._rows().rows_execute(sql, params)

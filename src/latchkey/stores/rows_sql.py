@@ -359,6 +359,26 @@ class RowClaims:
             yield from self.release_many(gone, owner)  # type: ignore[attr-defined]
         return [(due[name], grants[name]) for name in names if name in grants and name in due]
 
+    def rows_held(self, spec: RowSpec, owner: str) -> Steps[list[str]]:
+        """The lease names of ``spec``'s rows whose lease rows name ``owner`` (live or not):
+        what a lease batch whose answer was lost may have taken. A range of the lease
+        table's primary key (``'<table>:'`` up to ``'<table>;'``, the next byte: names are
+        compared as bytes on every dialect), the owner checked on each; only a failed
+        lease asks, so no index on the owner is kept for it. Literals as in
+        :meth:`rows_select` (the table an identifier, the owner hex)."""
+        if not (re.fullmatch(r"[0-9a-f]+", owner) and re.fullmatch(r"[\w.]+", spec.table)):
+            raise ValueError(f"not spliced into SQL: {owner!r}, {spec.table!r}")
+        d = self.ROWS
+        low = d.LEASE_NAME.format(prefix=f"'{spec.table}:'", key="''")
+        high = d.LEASE_NAME.format(prefix=f"'{spec.table};'", key="''")
+        _, rows = yield Statement(
+            f"SELECT name FROM {self.lease_table()} WHERE name >= {low} AND name < {high} "
+            f"AND owner = '{owner}'"
+        )
+        names = (bytes(row[0]).decode() if not isinstance(row[0], str) else row[0]
+                 for row in rows)  # fmt: skip
+        return list(dict.fromkeys(names))
+
     # -- complete: a leased row's work and its release, one transaction -------------------
 
     def rows_complete_begin(self) -> Steps[None]:

@@ -71,9 +71,10 @@ async def awoken(event: asyncio.Event, timeout: float) -> bool:
     return woke
 
 
-#: The primitives (``AsyncDriver.run``'s ``action``) that may grant a lease: drivers whose
-#: server runs a statement on after its connection is dropped run these :func:`to_the_end`.
-GRANTING = frozenset({"acquire", "claim"})
+#: The primitives (``AsyncDriver.run``'s and ``AsyncPinned.run``'s ``action``) that may grant
+#: a lease: drivers whose server runs a statement on after its connection is dropped run these
+#: :func:`to_the_end`, and so does every pinned connection (a lease batch of rows).
+GRANTING = frozenset({"acquire", "claim", "lease rows"})
 
 
 async def to_the_end(request: Awaitable[T]) -> T:
@@ -281,6 +282,15 @@ class AsyncPinned:
         self.broken = False
 
     async def run(self, steps: Steps[T], action: str, user: bool = False) -> T:
+        """The steps on this connection, bounded by the timeout. One that may grant
+        (``GRANTING``: a lease of rows) runs to its end if its caller is cancelled, so that
+        the give-back that follows finds what it leased (dropped mid-statement, the server
+        could commit it after that give-back)."""
+        if action in GRANTING:
+            return await to_the_end(self._run(steps, action, user))
+        return await self._run(steps, action, user)
+
+    async def _run(self, steps: Steps[T], action: str, user: bool) -> T:
         if self.conn is None:
             raise StoreUnavailable(f"{action}: the connection was already given back")
         try:
