@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pymysql
@@ -36,6 +37,7 @@ from latchkey.stores.mysql_getlock import (
     lock_key,
     wait_seconds,
 )
+from tests import asyncmode
 from tests.conftest import ServerPool
 from tests.helpers import HOSTILE_NAMES, eventually
 from tests.servers import RunningServer, ServerUnavailable, mariadb, replace_scheme, with_query
@@ -1558,6 +1560,110 @@ def test_driver_options_in_the_url_reach_the_connection(
                     return held()
 
             assert asyncio.run(body())
+
+
+def _rows(server: RunningServer, table: str) -> int:
+    """How many rows ``table`` of ``server``'s database has (a plain connection of its own)."""
+    b = open_backend(server.url)
+    args = connect_args(b)
+    b.close()
+    conn = pymysql.connect(**args, ssl_disabled=True)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT COUNT(*) FROM {table}")
+            return int(cur.fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_tls_is_used_as_pymysql_prefers_it_with_one_context_per_process(
+    tmp_path: Path, base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``ssl_*`` options PyMySQL uses TLS when the server offers it (unverified) and
+    falls back to plain when it does not, building a context for every connection (the
+    system's CA bundle read each time: tens of milliseconds). latchkey's connections do the
+    same with one context per process: to a server that offers TLS (started here with a
+    certificate) each goes over TLS, to one that offers none (the shared server) each in
+    plain, and ten of them, through both, build one context at most; the store works over
+    TLS end to end."""
+    from latchkey.stores.io import pymysql as driver
+    from tests.servers.redis import make_certificates
+
+    files = make_certificates(tmp_path / "tls")
+    try:
+        server = mariadb.start(
+            tmp_path / "db",
+            options=(f"--ssl-cert={files['server.pem']}", f"--ssl-key={files['server.key']}",
+                     f"--ssl-ca={files['ca.pem']}"),
+        )  # fmt: skip
+    except ServerUnavailable as exc:
+        _skip_or_fail(str(exc))
+        raise
+    made: list[object] = []
+    real = ssl.create_default_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    monkeypatch.setattr(driver, "_PREFERRED", [])
+    monkeypatch.setattr(driver, "_NO_TLS", set())
+    try:
+        for url, over_tls in ((server.url, True), (base, False)):
+            b = open_backend(url)
+            args = connect_args(b)
+            b.close()
+            for _ in range(5):
+                conn = driver.connect(args)
+                try:
+                    with conn.cursor() as cur:
+                        cur.execute("SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+                        cipher = cur.fetchone()[1]
+                finally:
+                    conn.close()
+                assert bool(cipher) is over_tls, (url, cipher)
+        assert len(made) <= 1, f"{len(made)} TLS contexts for ten connections"
+        # End to end over TLS: a lease, a waiter in another store woken by its release (the
+        # bell's own connection), a session lock; then the URL's options, as PyMySQL reads
+        # them: a CA that signed the server's certificate, and one that did not.
+        url = with_query(server.url, table="tls_locks")
+        with latchkey.connect(url) as holding, latchkey.connect(url) as waiting:
+            lock = holding.lock("over tls", ttl="30s")
+            assert lock.acquire()
+            assert holding.inspect("over tls").token == lock.token  # type: ignore[union-attr]
+            got: list[bool] = []
+            waiter = threading.Thread(
+                target=lambda: got.append(waiting.lock("over tls", ttl="30s").acquire(wait=20))
+            )
+            waiter.start()
+            try:
+                eventually(lambda: _rows(server, "tls_locks_bells"), timeout=10,
+                           what="the waiter's bell in place")  # fmt: skip
+            finally:
+                lock.release()
+                waiter.join(30)
+            assert got == [True]
+        getlock = replace_scheme(server.url, "mysql+getlock")
+        with latchkey.connect(getlock) as store, store.lock("session over tls"):
+            assert store.inspect("session over tls") is not None
+        verified = with_query(url, ssl_ca=str(files["ca.pem"]), ssl_verify_identity="true")
+        with latchkey.connect(verified) as store, store.lock("verified", ttl="30s"):
+            pass
+        # asyncio, on the suite's long-lived loop: a TLS connection closed just before its
+        # loop ends leaves its socket to the collector (the TLS goodbye needs the loop)
+        store = asyncmode.connect(verified)
+        try:
+            with store.lock("verified async", ttl="30s"):
+                pass
+        finally:
+            store.close()
+        other = make_certificates(tmp_path / "other")
+        refused = with_query(url, ssl_ca=str(other["ca.pem"]))  # a CA given: verified
+        with latchkey.connect(refused) as store, pytest.raises(StoreUnavailable, match="certif"):
+            store.lock("refused", ttl="30s").acquire()
+    finally:
+        server.stop()
 
 
 def test_tls_options_read_as_pymysql_reads_them() -> None:

@@ -56,15 +56,20 @@ def _create_database(port: int) -> None:
         conn.close()
 
 
-def start(workdir: Path, primary: bool = False, binlog_format: str = "ROW") -> RunningServer:
+def start(
+    workdir: Path, primary: bool = False, binlog_format: str = "ROW", options: tuple[str, ...] = ()
+) -> RunningServer:
     """Install a fresh data directory in ``workdir`` and start mariadbd on a free port.
     ``primary``: with a binary log (``binlog_format``: ROW, MIXED — MariaDB's default — or
-    STATEMENT) and server id 1, ready for :func:`start_replica`."""
+    STATEMENT) and server id 1, ready for :func:`start_replica`; ``options``: more of
+    mariadbd's (``--ssl-cert=…``)."""
     if primary:
         return _start(
-            workdir, ["--log-bin=mariadb-bin", "--server-id=1", f"--binlog-format={binlog_format}"]
-        )
-    return _start(workdir, ["--skip-log-bin"])
+            workdir,
+            ["--log-bin=mariadb-bin", "--server-id=1", f"--binlog-format={binlog_format}",
+             *options],
+        )  # fmt: skip
+    return _start(workdir, ["--skip-log-bin", *options])
 
 
 def _start(

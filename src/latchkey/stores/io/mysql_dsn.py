@@ -133,14 +133,30 @@ def async_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def async_tls(options: dict[str, Any]) -> ssl.SSLContext | None:
-    """An SSL context from PyMySQL's TLS options, with PyMySQL's meaning; None: no TLS."""
+    """asyncmy's context: :func:`tls_context`."""
+    return tls_context(options)
+
+
+def tls_context(
+    options: dict[str, Any], make: type[ssl.SSLContext] = ssl.SSLContext
+) -> ssl.SSLContext | None:
+    """An SSL context (of class ``make``) from the URL's TLS options, the same for both
+    drivers; None: no TLS asked for. A CA given means the server's certificate is verified
+    against it (``ssl_verify_cert=false`` turns that off; ``ssl_verify_cert=true`` without a
+    CA verifies against the system's); ``ssl_verify_identity`` checks the host name too.
+    (PyMySQL alone verifies only with ``ssl_verify_cert`` or ``ssl_verify_identity`` set.)"""
     if not options or options.get("ssl_disabled"):
         return None
     if not any(k in options for k in ("ssl_ca", "ssl_cert", "ssl_key", "ssl_verify_cert",
                                       "ssl_verify_identity")):  # fmt: skip
         return None
-    context = ssl.create_default_context(cafile=options.get("ssl_ca"))
-    verify = options.get("ssl_verify_cert", "ssl_ca" in options)
+    verify = bool(options.get("ssl_verify_cert", "ssl_ca" in options))
+    context = make(ssl.PROTOCOL_TLS_CLIENT)
+    if "ssl_ca" in options:
+        context.load_verify_locations(cafile=options["ssl_ca"])
+    elif verify:
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    context.verify_flags &= ~ssl.VERIFY_X509_STRICT  # (MySQL's own certificates fail it)
     context.check_hostname = bool(options.get("ssl_verify_identity", False)) and verify
     context.verify_mode = ssl.CERT_REQUIRED if verify else ssl.CERT_NONE
     if "ssl_cert" in options:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import ssl
 import time
 import weakref
 from collections.abc import Callable
@@ -64,7 +65,15 @@ from pymysql.constants import CLIENT
 from latchkey.errors import StoreUnavailable
 from latchkey.stores.io import Driver, Pinned, Pool, Steps, drive
 from latchkey.stores.io.mysql_bell import Bell
-from latchkey.stores.io.mysql_dsn import WRITABLE, Hosts, address_text, hosts_of, read_only, reason
+from latchkey.stores.io.mysql_dsn import (
+    WRITABLE,
+    Hosts,
+    address_text,
+    hosts_of,
+    read_only,
+    reason,
+    tls_context,
+)
 from latchkey.stores.io.mysql_session import (
     READ_ONLY,
     REFUSED,
@@ -91,12 +100,81 @@ SLACK = 0.01
 _SOCKETS: weakref.WeakKeyDictionary[Any, socket.socket] = weakref.WeakKeyDictionary()
 
 
+# -- TLS ----------------------------------------------------------------------------------
+# PyMySQL wraps the socket it was given in an ``SSLSocket`` when a connection goes over TLS,
+# and the socket latchkey opened (the one it polls, times out and shuts down) is detached from
+# its descriptor. So latchkey hands PyMySQL contexts of its own (``ssl=``, public), whose
+# ``wrap_socket`` notes what it made (``_WRAPPED``): the connection's socket is then that one.
+
+
+class _Noting(ssl.SSLContext):
+    """An SSL context that notes the socket it made of each socket it wrapped."""
+
+    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> Any:
+        wrapped = super().wrap_socket(sock, *args, **kwargs)
+        _WRAPPED[sock] = wrapped
+        return wrapped
+
+
+_WRAPPED: weakref.WeakKeyDictionary[socket.socket, ssl.SSLSocket] = weakref.WeakKeyDictionary()
+
+#: Without ``ssl_*`` options PyMySQL's TLS is "preferred": TLS when the server offers it, the
+#: certificate not checked, plain otherwise. Its context is made anew for every connection
+#: (``ssl.create_default_context()``, which loads the system's CA bundle: 30-50 ms a
+#: connection here, a hundred times the rest of a loopback handshake, for certificates
+#: nobody checks). latchkey's is one per process, with the same settings and no CA loaded.
+#: Passed as ``ssl=`` it makes TLS required: a server that offers none is refused before
+#: anything is sent (error 2026), remembered in ``_NO_TLS`` and reached with
+#: ``ssl_disabled``, as the preferred mode falls back — from then on at once, in this process.
+_PREFERRED: list[ssl.SSLContext] = []
+_NO_TLS: set[tuple[str, int]] = set()
+#: PyMySQL's "SSL is required but the server doesn't support it" (CR_SSL_CONNECTION_ERROR).
+_SERVER_HAS_NO_TLS = 2026
+
+
+def _preferred() -> ssl.SSLContext:
+    if not _PREFERRED:
+        context = _Noting(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        _PREFERRED.append(context)
+    return _PREFERRED[0]
+
+
+def _tls(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """PyMySQL's arguments without its ``ssl_*`` options, and the TLS ones latchkey passes
+    instead: one of its own contexts, or ``ssl_disabled``."""
+    plain = {k: v for k, v in args.items() if not k.startswith("ssl_")}
+    options = {k: v for k, v in args.items() if k.startswith("ssl_")}
+    if options.get("ssl_disabled"):
+        return plain, {"ssl_disabled": True}
+    required = tls_context(options, _Noting)  # the URL asks for TLS: required, as PyMySQL's
+    if required is not None:
+        return plain, {"ssl": required}
+    if (args["host"], args["port"]) in _NO_TLS:
+        return plain, {"ssl_disabled": True}
+    return plain, {"ssl": _preferred()}
+
+
 def connect(args: dict[str, Any], deadline: float | None = None, **more: Any) -> Any:
     """``pymysql.connect(**args, **more)`` on a socket we opened (see the module docstring):
     :func:`server_hung_up` and :func:`socket_of` then work on it without a round trip.
     ``deadline`` (monotonic): the TCP connect and the whole handshake end by then, however
     many round trips the handshake takes (PyMySQL runs it in one call, each read bounded by
-    its read timeout: the watchdog shuts the socket down at the deadline instead)."""
+    its read timeout: the watchdog shuts the socket down at the deadline instead). TLS as
+    PyMySQL reads the URL's ``ssl_*`` options, through latchkey's contexts (above)."""
+    plain, tls = _tls(args)
+    try:
+        return _connect(plain, deadline, {**tls, **more})
+    except pymysql.err.OperationalError as exc:
+        preferred = tls.get("ssl") is _preferred()
+        if not preferred or not exc.args or exc.args[0] != _SERVER_HAS_NO_TLS:
+            raise
+    _NO_TLS.add((args["host"], args["port"]))  # offers no TLS: plain, as preferred falls back
+    return _connect(plain, deadline, {"ssl_disabled": True, **more})
+
+
+def _connect(args: dict[str, Any], deadline: float | None, more: dict[str, Any]) -> Any:
     conn = pymysql.connect(**args, **more, defer_connect=True)
     wait = args["connect_timeout"]
     if deadline is not None:
@@ -115,7 +193,8 @@ def connect(args: dict[str, Any], deadline: float | None = None, **more: Any) ->
     if deadline is None:
         conn.connect(sock)  # closes the socket if the handshake fails
     else:
-        WATCHDOG.arm(sock, deadline - time.monotonic(), sock.fileno)
+        # (the TLS handshake moves the descriptor to the wrapped socket: cut that one)
+        WATCHDOG.arm(sock, deadline - time.monotonic(), lambda: _WRAPPED.get(sock, sock).fileno())
         try:
             conn.connect(sock)
         except BaseException:
@@ -126,7 +205,7 @@ def connect(args: dict[str, Any], deadline: float | None = None, **more: Any) ->
             with contextlib.suppress(Exception):
                 conn.close()
             raise TimeoutError(f"no answer within {args['read_timeout']:g}s")
-    _SOCKETS[conn] = sock
+    _SOCKETS[conn] = _WRAPPED.pop(sock, sock)
     return conn
 
 
