@@ -193,7 +193,8 @@ def _connect(args: dict[str, Any], deadline: float | None, more: dict[str, Any])
     if deadline is None:
         conn.connect(sock)  # closes the socket if the handshake fails
     else:
-        # (the TLS handshake moves the descriptor to the wrapped socket: cut that one)
+        # (TLS moves the descriptor to the wrapped socket, cut once made; the TLS handshake
+        # itself, inside its making, is bounded by PyMySQL's read timeout, the store's)
         WATCHDOG.arm(sock, deadline - time.monotonic(), lambda: _WRAPPED.get(sock, sock).fileno())
         try:
             conn.connect(sock)
