@@ -121,7 +121,7 @@ _WRAPPED: weakref.WeakKeyDictionary[socket.socket, ssl.SSLSocket] = weakref.Weak
 #: Without ``ssl_*`` options PyMySQL's TLS is "preferred": TLS when the server offers it, the
 #: certificate not checked, plain otherwise. Its context is made anew for every connection
 #: (``ssl.create_default_context()``, which loads the system's CA bundle: 30-50 ms a
-#: connection here, a hundred times the rest of a loopback handshake, for certificates
+#: connection here, 20-100 times the rest of a loopback connect, for certificates
 #: nobody checks). latchkey's is one per process, with the same settings and no CA loaded.
 #: Passed as ``ssl=`` it makes TLS required: a server that offers none is refused before
 #: anything is sent (error 2026), remembered in ``_NO_TLS`` and reached with
