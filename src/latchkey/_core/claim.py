@@ -8,7 +8,6 @@ of what this claim still holds, and a claim that failed gives back whatever it m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -16,12 +15,11 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from latchkey import _observe
-from latchkey._core.lease import drift_margin, give_back
-from latchkey._core.ops import Op, Steps, background, call
+from latchkey._core.lease import ask, drift_margin, giving_back
+from latchkey._core.ops import Op, Steps, call
 from latchkey._names import validate_name
 from latchkey._owner import Owner, new_owner_token
 from latchkey._types import Grant
-from latchkey.errors import LatchkeyError, StoreUnavailable
 
 log = logging.getLogger("latchkey")
 T = TypeVar("T")
@@ -84,23 +82,15 @@ class ClaimCore:
         if ordered:
             info = Owner.current(self._metadata).to_json()
             owner = self._owner
-            try:
-                grants = yield call("claim", ordered, owner, info, ttl)
-            except StoreUnavailable:
-                # Part of the batch may have been taken before the failure (one server's or
-                # one slot's part, or all of it with the answer lost): given back in the
-                # background, owner-checked, so the caller has the error within its timeout
-                # and no name stays held by nobody until the lease ends. What even that
-                # cannot reach ends by its TTL; none of it is reported held.
-                yield background(give_back(call("release_many", ordered, owner), ttl))
-                raise
-            except LatchkeyError:
-                raise
-            except BaseException:
-                # Cancelled or interrupted with the claim in flight: give back at once.
-                with contextlib.suppress(Exception):
-                    yield call("release_many", ordered, owner)
-                raise
+            # Part of the batch may have been taken before a failure (one server's or one
+            # slot's part, or all of it with the answer lost): every name is given back,
+            # owner-checked; what even that cannot reach ends by its TTL, none of it is
+            # reported held.
+            grants = yield from giving_back(
+                ask(call("claim", ordered, owner, info, ttl)),
+                call("release_many", ordered, owner),
+                ttl,
+            )
         self._deadline = sent + ttl - drift_margin(ttl)
         self.acquired = [name for name in ordered if name in grants]
         self.busy = [name for name in ordered if name not in grants]

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from latchkey import _observe
 from latchkey._core.holds import Holds
@@ -26,6 +26,8 @@ from latchkey._owner import current_owner_json, new_owner_token
 from latchkey._types import Busy, Grant, Holder
 from latchkey.errors import LatchkeyError, LockLost, LockTimeout, StoreUnavailable
 from latchkey.stores.base import Capabilities
+
+T = TypeVar("T")
 
 log = logging.getLogger("latchkey")
 
@@ -425,7 +427,15 @@ class LeaseCore:
 GIVE_BACK_FIRST, GIVE_BACK_CAP = 0.1, 2.0
 
 
-def give_back(release: Op | Callable[[], Steps[Any]], ttl: float) -> Steps[None]:
+#: A give-back: one owner-checked release (an operation), or steps that find what to release.
+Undo = Op | Callable[[], Steps[Any]]
+
+
+def _run_undo(undo: Undo) -> Steps[Any]:
+    return (yield from undo()) if callable(undo) else (yield undo)
+
+
+def give_back(release: Undo, ttl: float) -> Steps[None]:
     """Carry out ``release`` — an owner-checked ``release`` of one name, ``release_many``
     of a batch claim's names, or the steps that find and release a lease batch's rows —
     for a call that failed and may have taken them before its answer was lost: tried until
@@ -435,13 +445,35 @@ def give_back(release: Op | Callable[[], Steps[Any]], ttl: float) -> Steps[None]
     until, pause = time.monotonic() + ttl, GIVE_BACK_FIRST
     while True:
         try:
-            if callable(release):
-                yield from release()
-            else:
-                yield release
+            yield from _run_undo(release)
             return
         except StoreUnavailable:
             if time.monotonic() + pause >= until:
                 return
         yield sleep(pause)
         pause = min(pause * 2, GIVE_BACK_CAP)
+
+
+def giving_back(request: Steps[T], undo: Undo, ttl: float) -> Steps[T]:
+    """``request``, a call that may grant, with the rule for when it fails: after
+    StoreUnavailable (its answer may have been lost) ``undo`` runs in the background
+    (:func:`give_back`), so the caller has the error now; after a cancellation or an
+    interruption in flight, at once (its own failure is not the one raised); another
+    error of latchkey's granted nothing. Used by batch claims and row leases; the mutex's
+    acquire spells the same rule inline, its hot path kept free of a generator layer."""
+    try:
+        return (yield from request)
+    except StoreUnavailable:
+        yield background(give_back(undo, ttl))
+        raise
+    except LatchkeyError:
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            yield from _run_undo(undo)
+        raise
+
+
+def ask(op: Op) -> Steps[Any]:
+    """One operation as steps (for :func:`giving_back`)."""
+    return (yield op)

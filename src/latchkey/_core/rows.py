@@ -22,28 +22,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from latchkey._core.lease import drift_margin, give_back
-from latchkey._core.ops import Steps, background, call, on, sleep
+from latchkey._core.lease import drift_margin, giving_back
+from latchkey._core.ops import Steps, call, on, sleep
 from latchkey._core.waiting import CAP_POLLING, CAP_WITH_PUSH, Backoff
 from latchkey._durations import Duration, parse_duration, parse_ttl
 from latchkey._owner import Owner, new_owner_token
 from latchkey._types import Grant, RowSpec, RowState
-from latchkey.errors import (
-    ConfigError,
-    InvalidName,
-    InvalidValue,
-    LatchkeyError,
-    LockLost,
-    StoreUnavailable,
-    Unsupported,
-)
+from latchkey.errors import ConfigError, InvalidName, InvalidValue, LockLost, Unsupported
 
 log = logging.getLogger("latchkey")
 
@@ -279,24 +270,13 @@ class LeaseCore(BatchCore):
     def _begin(self) -> Steps[None]:
         if self._held:
             raise InvalidValue("rows: this lease batch is already open")
-        try:
-            leased = yield from poll(
-                self._ask(), self._ask, self.wait, bool, wake_name(self.spec), self._push
-            )
-        except StoreUnavailable:
-            # The store may have leased rows before its answer was lost (a reply cut off, a
-            # timeout after the write): give back whatever this batch's owner holds, in the
-            # background, so the caller has the error now and the rows are due again long
-            # before the TTL (owner-checked: never another's).
-            yield background(give_back(self._give_back, self.ttl))
-            raise
-        except LatchkeyError:
-            raise
-        except BaseException:
-            # Cancelled or interrupted with the lease in flight: give back at once.
-            with contextlib.suppress(Exception):
-                yield from self._give_back()
-            raise
+        # The store may have leased rows before a failure (its answer lost, or cancelled in
+        # flight): whatever this batch's owner holds is given back, owner-checked.
+        leased = yield from giving_back(
+            poll(self._ask(), self._ask, self.wait, bool, wake_name(self.spec), self._push),
+            self._give_back,
+            self.ttl,
+        )
         self._deadline = self._sent + self.ttl - drift_margin(self.ttl)
         self.rows = [row for row, _ in leased]
         self._grants = {self.name_of(row): grant for row, grant in leased}

@@ -1,11 +1,12 @@
 """How a ``mysql://`` or ``mysql+getlock://`` URL becomes PyMySQL's and asyncmy's connect()
 arguments, with the drivers' own options passed through.
 
-PyMySQL and asyncmy take the same keyword arguments but for TLS: PyMySQL reads ``ssl_ca``,
+PyMySQL and asyncmy take the same keyword arguments but for TLS: the URL's ``ssl_ca``,
 ``ssl_cert``, ``ssl_key``, ``ssl_key_password``, ``ssl_verify_cert``, ``ssl_verify_identity``
-and ``ssl_disabled`` itself; asyncmy takes one ``ssl`` context, which :func:`async_tls` builds
-from the same options the way PyMySQL does (a CA given means the server's certificate is
-verified unless ``ssl_verify_cert=false``). Options that would change how latchkey's own
+and ``ssl_disabled`` become one ``ssl`` context for either driver, built by
+:func:`tls_context` (a CA given means the server's certificate is verified unless
+``ssl_verify_cert=false``; the sync driver adds PyMySQL's preferred mode without options,
+:mod:`latchkey.stores.io.pymysql`). Options that would change how latchkey's own
 statements read (``charset``, ``sql_mode``, ``autocommit``, ``client_flag``…) are not passed.
 Over a borrowed client (``connect(client=…)``) there are none: the client's own settings are
 used (:func:`store_connect_args`), and it must stand for a database (:func:`no_database`).
@@ -133,7 +134,7 @@ def async_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def async_tls(options: dict[str, Any]) -> ssl.SSLContext | None:
-    """asyncmy's context: :func:`tls_context`."""
+    """asyncmy's context: :func:`tls_context` of the plain class."""
     return tls_context(options)
 
 

@@ -167,8 +167,7 @@ def connect(args: dict[str, Any], deadline: float | None = None, **more: Any) ->
     try:
         return _connect(plain, deadline, {**tls, **more})
     except pymysql.err.OperationalError as exc:
-        preferred = tls.get("ssl") is _preferred()
-        if not preferred or not exc.args or exc.args[0] != _SERVER_HAS_NO_TLS:
+        if tls.get("ssl") not in _PREFERRED or not exc.args or exc.args[0] != _SERVER_HAS_NO_TLS:
             raise
     _NO_TLS.add((args["host"], args["port"]))  # offers no TLS: plain, as preferred falls back
     return _connect(plain, deadline, {"ssl_disabled": True, **more})
