@@ -87,15 +87,23 @@ class Holds:
         first question empties the record, its own leases with it: a record missing only
         sends an acquire to the store.)"""
         ref = weakref.ref(lease)
+        name = lease.name
         with self._lock:
-            self.names.setdefault(lease.name, []).append(ref)
+            held = self.names.get(name)
+            if held is None:
+                self.names[name] = [ref]
+            else:
+                held.append(ref)
         return ref
 
     def remove(self, name: str, ref: weakref.ref[LeaseCore]) -> None:
         with self._lock:
             held = self.names.get(name)
-            if held is not None and ref in held:
-                held.remove(ref)
+            if held is not None:
+                try:
+                    held.remove(ref)
+                except ValueError:  # dropped meanwhile (a force-release, a fork)
+                    return
                 if not held:
                     del self.names[name]
 

@@ -175,7 +175,7 @@ class LeaseCore:
                 # busy while another lease of it through this store object is live by its
                 # holder's clock. A mutex attempt is known to be in flight while it is.
                 name = self.name
-                local = holds.busy(name, self.limit)
+                local = holds.busy(name, self.limit) if name in holds.names else None
                 if local is not None:
                     result = local
                 elif self.limit != 1 or name not in holds.queue:
@@ -241,9 +241,12 @@ class LeaseCore:
             return False
         if self._renewer is not None:
             yield unrenew(self)
-        self._unhold()  # before the release: a waiter it wakes must not find the record
+        hold = self._hold
+        if hold is not None:  # before the release: a waiter it wakes must not find the record
+            self._hold = None  # (_unhold, inline: every release passes here)
+            self._holds.remove(self.name, hold)  # type: ignore[union-attr]
         try:
-            return (yield call("release", self.name, owner))  # type: ignore[no-any-return]
+            return (yield (CALL, None, "release", (self.name, owner)))  # type: ignore[no-any-return]
         finally:
             self._forget()
 
@@ -353,7 +356,8 @@ class LeaseCore:
             self.expires_at = None
             self._grant = None
             observed, self._observed = self._observed, None
-        self._unhold()
+        if self._hold is not None:
+            self._unhold()
         if observed is not None:
             _observe.ended(observed)
 
