@@ -33,7 +33,8 @@ lock without the holder knowing) or where a store's attempt does more than ask (
 waiter's attempt refreshes its node): see :func:`holds_for`.
 
 Plain state under a :class:`threading.Lock` held for a few dict operations, so the sync and
-the asyncio shells share it.
+the asyncio shells share it; recording and dropping a lease take no lock (:meth:`Holds.add`):
+a record lost to a race only sends an acquire to the store.
 """
 
 from __future__ import annotations
@@ -85,27 +86,28 @@ class Holds:
     def add(self, lease: LeaseCore) -> weakref.ref[LeaseCore]:
         """Record ``lease`` (granted); the reference to give :meth:`remove`. (A forked child's
         first question empties the record, its own leases with it: a record missing only
-        sends an acquire to the store.)"""
+        sends an acquire to the store.)
+
+        Without the lock, as :meth:`remove` (every acquire and release passes here): a race
+        between them can only lose a record, in a list another thread just took out of
+        ``names`` — never keep one in ``names`` for a lease already released there."""
         ref = weakref.ref(lease)
-        name = lease.name
-        with self._lock:
-            held = self.names.get(name)
-            if held is None:
-                self.names[name] = [ref]
-            else:
-                held.append(ref)
+        held = self.names.get(lease.name)
+        if held is None:
+            held = self.names.setdefault(lease.name, [])
+        held.append(ref)
         return ref
 
     def remove(self, name: str, ref: weakref.ref[LeaseCore]) -> None:
-        with self._lock:
-            held = self.names.get(name)
-            if held is not None:
-                try:
-                    held.remove(ref)
-                except ValueError:  # dropped meanwhile (a force-release, a fork)
-                    return
-                if not held:
-                    del self.names[name]
+        held = self.names.get(name)
+        if held is None:
+            return
+        try:
+            held.remove(ref)
+        except ValueError:  # its list was taken out meanwhile (dropped, forked, emptied)
+            return
+        if not held:
+            self.names.pop(name, None)
 
     def drop(self, name: str) -> None:
         """Forget every lease on ``name`` (a force-release through this store object)."""
