@@ -10,11 +10,12 @@ For each store and each tree (a ``src`` directory: ``git worktree add /tmp/old R
 fresh process under ``valgrind --tool=callgrind`` twice — ``--pairs`` A and B pairs on one lock
 object — and prints (instructions of B - instructions of A) / (B - A): the cost of one pair,
 start-up and connecting cancelled out. Two rows per store: the whole pair through the lock,
-and the store's primitives alone (``store.backend.acquire``/``release``), so the core's share
-is the difference. Instructions are counted in the client only: not the server's time, not
-the kernel's (a syscall counts as the instructions that make it). Memory and SQLite are
-exact to a few hundred; a networked store's figure moves by a few thousand (how many reads a
-reply takes). Starts its own servers (tests/servers), stops them by pid.
+and the store's primitives alone (``store.backend.acquire``/``release``, with the owner JSON
+a lock would send, made once), so the core's share is the difference. Instructions are
+counted in the client only: not the server's time, not the kernel's (a syscall counts as the
+instructions that make it). Memory and SQLite are exact to a few hundred; a networked store's
+figure moves by a few thousand (how many reads a reply takes). Starts its own servers
+(tests/servers), stops them by pid.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ if layer == "lock":
         lock.acquire()
         lock.release()
 else:
-    backend = store.backend
+    from latchkey._owner import current_owner_json
+    backend, info = store.backend, current_owner_json("")  # what a lock sends, made once
     for i in range(n):
         owner = "%032x" % i
-        backend.acquire("instructions", owner, "", 30.0, 1)
+        backend.acquire("instructions", owner, info, 30.0, 1)
         backend.release("instructions", owner)
 store.close()
 """
@@ -77,10 +79,14 @@ def main() -> None:
     parser.add_argument("trees", nargs="+", metavar="SRC")
     parser.add_argument("--stores", default="memory,sqlite,redis,postgresql,memcached")
     parser.add_argument("--pairs", default="200,1200", help="A,B: pairs in the two runs")
+    parser.add_argument("--layers", default="lock,store", help="lock, store or both")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
     low, high = (int(p) for p in args.pairs.split(","))
+    layers = args.layers.split(",")
+    if not set(layers) <= {"lock", "store"}:
+        parser.error(f"--layers: {args.layers!r}: each must be lock or store")
     load_all()
     running = {}
     print(f"{'store':22} {'layer':8} " + " ".join(f"{t[-28:]:>28}" for t in args.trees))
@@ -96,7 +102,7 @@ def main() -> None:
                     if server not in running:
                         running[server] = SERVERS[server].start(Path(tmp) / server)
                     url = running[server].url.replace(f"{server}://", f"{store}://", 1)
-                for layer in ("lock", "store"):
+                for layer in layers:
                     cells = []
                     for src in args.trees:
                         a = count(src, url, low, layer)
