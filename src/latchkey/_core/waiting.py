@@ -148,7 +148,8 @@ def wait_for(
     poll_share: float | None = None,
 ) -> Steps[Grant | Busy]:
     """Attempt until a grant, or until ``wait`` seconds pass (None: no limit), after a
-    ``first`` attempt that found the name busy.
+    ``first`` attempt that found the name busy; the seconds count from that attempt's send
+    (``attempts.sent``), as the caller's call began then.
 
     Before the second attempt the store is asked for a waiter (``wait_in_line``), so a release
     between an attempt and the wait is never missed; a store without push answers None and
@@ -161,8 +162,9 @@ def wait_for(
     ``poll_share`` (a store without push whose polls are cheap) the first waiter in line polls
     at least every ``poll_share`` times the time waited, QUICK_POLL at least.
     """
-    clock = attempts.clock
-    deadline = None if wait is None else clock() + wait
+    # From the first attempt's send, not its answer: a first attempt slowed by the store does
+    # not lengthen the wait (the chaos run's slow-call rule: wait + one call's bound).
+    deadline = None if wait is None else attempts.sent + wait
     if blocking:
         return (yield from _block_until(attempts, first, deadline, Backoff(rng=rng)))
     backoff = Backoff(cap=CAP_WITH_PUSH if push else CAP_POLLING, rng=rng)
