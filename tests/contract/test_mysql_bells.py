@@ -134,7 +134,11 @@ def test_a_release_in_another_process_rings_the_waiter(
         got: dict[str, Any] = {}
         thread = _waiting_thread(store, "n", got)
         eventually(lambda: _bells(sql, "n") == 1, what="the waiter's bell in line")
-        assert sql("SELECT waited FROM {t} WHERE name = %s", b"n") == ((1,),)  # marked
+        # Marked by the statement after the bell's INSERT: visible a moment later.
+        eventually(
+            lambda: sql("SELECT waited FROM {t} WHERE name = %s", b"n") == ((1,),),
+            what="the lease marked waited",
+        )
         holder.stdin.write("\n")
         holder.stdin.flush()
         thread.join(RUNG_WITHIN)
