@@ -241,10 +241,8 @@ class LeaseCore:
             return False
         if self._renewer is not None:
             yield unrenew(self)
-        hold = self._hold
-        if hold is not None:  # before the release: a waiter it wakes must not find the record
-            self._hold = None  # (_unhold, inline: every release passes here)
-            self._holds.remove(self.name, hold)  # type: ignore[union-attr]
+        if self._hold is not None:  # before the release: a waiter it wakes must not find it
+            self._unhold()
         try:
             return (yield (CALL, None, "release", (self.name, owner)))  # type: ignore[no-any-return]
         finally:

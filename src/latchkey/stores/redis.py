@@ -275,8 +275,7 @@ class Redis(Store):
         self, name: str, owner: str, owner_info: str, ttl: float, limit: int
     ) -> Steps[Grant | Busy]:
         line_id = _PROCESS[0] + self._number
-        busy = self.busy_names
-        eager = limit == 1 and name in busy.until and busy.recent(name)  # (a call less, mostly)
+        eager = limit == 1 and self.busy_names.recent(name)
         args = (owner, owner_info, _ttl_ms(ttl), "+" + line_id if eager else line_id)
         reply = yield (self.acquire_lua, (self.base(name),), args if limit == 1 else (*args, limit))
         if isinstance(reply, str):
