@@ -62,8 +62,7 @@ def _do(kind: int, target: Any, args: tuple[Any, ...], backend: Backend) -> Any:
     if kind == USER:
         return target(*args)
     if kind == RENEW:
-        lease = target
-        lease._renewer = Renewer(lease, backend)
+        target._renewer = Renewer(target, backend)
         return None
     if kind == UNRENEW:
         lease = target

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from latchkey import _observe
 from latchkey._core.holds import Holds
@@ -154,78 +154,112 @@ class LeaseCore:
             return steps
         return hooks.acquire(self, steps, self.wait if wait is UNSET else wait)
 
-    def _acquire_steps(self, wait: Duration | None) -> Steps[bool]:
+    def _acquire_steps(
+        self, wait: Duration | None, attempt: tuple[float | None, tuple[Any, ...]] | None = None
+    ) -> Steps[bool]:
+        wait_s, args = self._attempt(wait) if attempt is None else attempt
+        sent = time.monotonic()
+        result: Any
+        try:
+            if self._asks_store_first(wait_s):
+                result = yield (CALL, None, "acquire", args)
+            else:
+                result = yield from self._first_answer(args)
+        except BaseException as exc:
+            yield from after_failure(exc, call("release", self.name, args[1]), self.ttl)
+            raise  # (after_failure raises it)
+        if type(result) is not Grant and wait_s != 0:
+            result, sent = yield from self._wait_more(result, args, sent, wait_s)
+        if not self._took(result, args, sent):
+            return False
+        if self.renew:
+            yield renew(self)
+        return True
+
+    # The acquire's rules as parts, each once: the generator above composes them, and so does
+    # the sync shell's direct path for an uncontended acquire (``Lock.acquire``), which calls
+    # the store without driving a generator (what run 6's hand-written path cost: benchmarks).
+
+    def _attempt(self, wait: Duration | None) -> tuple[float | None, tuple[Any, ...]]:
+        """An acquire's wait (seconds, None: for ever) and its attempts' arguments ``(name,
+        owner, owner JSON, ttl, limit)``, a new owner; refused while this object holds it."""
         if self._owner is not None:
             raise LatchkeyError(f"{self.kind} {self.name!r} is already held by this object")
         wait_s = self.wait if wait is UNSET else parse_wait(wait)
-        owner = new_owner_token()
-        args = (self.name, owner, current_owner_json(self._metadata_json), self.ttl, self.limit)
-        sent = time.monotonic()
+        owner_info = current_owner_json(self._metadata_json)
+        return wait_s, (self.name, new_owner_token(), owner_info, self.ttl, self.limit)
+
+    def _asks_store_first(self, wait_s: float | None) -> bool:
+        """Whether the first attempt is one plain store call (the uncontended case): this
+        process's record has nothing to answer for the name (``_core/holds.py``), and it was
+        not contended a moment ago in a blocking store. Else :meth:`_first_answer`."""
         holds = self._holds
-        result: Any
+        if holds is None:
+            return not (
+                wait_s != 0
+                and self.limit == 1
+                and self._caps.blocking
+                and self._backend.contended(self.name)
+            )
+        name = self.name
+        return name not in holds.names and (self.limit != 1 or name not in holds.queue)
+
+    def _first_answer(self, args: tuple[Any, ...]) -> Steps[Grant | Busy]:
+        """The first attempt when :meth:`_asks_store_first` says no: a blocking store's name
+        contended a moment ago waits there at once (CONTENDED); this process's own record
+        may answer busy without the store while another lease of it through this store
+        object is live by its holder's clock; a mutex attempt waits for the outcome of one
+        already in flight from this process (waiters of this process take turns)."""
+        holds = self._holds
+        if holds is None:
+            return CONTENDED
+        name = self.name
+        local = holds.busy(name, self.limit) if name in holds.names else None
+        if local is not None:
+            return local
+        if self.limit != 1 or name not in holds.queue:
+            return (yield (CALL, None, "acquire", args))  # type: ignore[no-any-return]
+        return (yield from ask_in_turn(holds, args))
+
+    def _wait_more(
+        self, first: Busy, args: tuple[Any, ...], sent: float, wait_s: float | None
+    ) -> Steps[tuple[Grant | Busy, float]]:
+        """After a ``first`` answer busy: attempt until granted or ``wait_s`` has passed since
+        ``sent`` (:func:`wait_for`). The answer, and when its attempt was sent."""
+        caps = self._caps
+        attempts = Attempts(args, time.monotonic, sent, self._holds)
         try:
-            if holds is None:
-                waits_in_store = wait_s != 0 and self._caps.blocking and self.limit == 1
-                if waits_in_store and self._backend.contended(self.name):
-                    result = CONTENDED  # busy a moment ago: wait in the store at once
-                else:
-                    result = yield (CALL, None, "acquire", args)
-            else:
-                # This process's own record may answer without the store (_core/holds.py):
-                # busy while another lease of it through this store object is live by its
-                # holder's clock. A mutex attempt is known to be in flight while it is.
-                name = self.name
-                local = holds.busy(name, self.limit) if name in holds.names else None
-                if local is not None:
-                    result = local
-                elif self.limit != 1 or name not in holds.queue:
-                    result = yield (CALL, None, "acquire", args)
-                else:  # waiters of this process wait for this attempt's outcome
-                    result = yield from ask_in_turn(holds, args)
-            if type(result) is not Grant and wait_s != 0:  # the uncontended path skips this
-                caps = self._caps
-                attempts = Attempts(args, time.monotonic, sent, holds)
-                result = yield from wait_for(
-                    attempts,
-                    result,
-                    wait=wait_s,
-                    limit=self.limit,
-                    push=caps.push,
-                    blocking=caps.blocking and self.limit == 1,
-                    poll_share=self._backend.poll_share,
-                )
-                sent = attempts.sent
-        except StoreUnavailable:
-            # The store may have granted it before its answer was lost (a reply cut off, a
-            # timeout after the write): give back whatever this owner may hold, in the
-            # background, so the caller gets the error now and the name is not held by
-            # nobody until the lease ends (owner-checked: never anyone else's).
-            yield background(give_back(call("release", self.name, owner), self.ttl))
-            raise
-        except LatchkeyError:
-            raise
-        except BaseException:
-            # Cancelled or interrupted with a request in flight: the store may have granted
-            # it. Give back whatever this owner may hold, so that nothing stays held.
-            with contextlib.suppress(Exception):
-                yield call("release", self.name, owner)
-            raise
+            result = yield from wait_for(
+                attempts,
+                first,
+                wait=wait_s,
+                limit=self.limit,
+                push=caps.push,
+                blocking=caps.blocking and self.limit == 1,
+                poll_share=self._backend.poll_share,
+            )
+        except BaseException as exc:
+            yield from after_failure(exc, call("release", self.name, args[1]), self.ttl)
+            raise  # (after_failure raises it)
+        return result, attempts.sent
+
+    def _took(self, result: Grant | Busy, args: tuple[Any, ...], sent: float) -> bool:
+        """Record an acquire's answer: a grant (the lease is ours from ``sent``, when its
+        attempt was sent) and True, or who holds the name and False."""
         if type(result) is not Grant:
             assert isinstance(result, Busy), result
             self.holder = result.holder
             return False
         with self._state:
-            self._owner = owner
+            self._owner = args[1]
             self._lost_reason = None
             self._lost_told = False
             self._renew_failure = None
             self.holder = None
             self._granted(result, sent, self.ttl)
             self._grant, self._owner_info = result, args[2]
-        if holds is not None:
-            self._hold = holds.add(self)
-        if self.renew:
-            yield renew(self)
+        if self._holds is not None:
+            self._hold = self._holds.add(self)
         return True
 
     def _release(self) -> Steps[bool]:
@@ -456,24 +490,28 @@ def give_back(release: Undo, ttl: float) -> Steps[None]:
         pause = min(pause * 2, GIVE_BACK_CAP)
 
 
-def giving_back(request: Steps[T], undo: Undo, ttl: float) -> Steps[T]:
-    """``request``, a call that may grant, with the rule for when it fails: after
-    StoreUnavailable (its answer may have been lost) ``undo`` runs in the background
-    (:func:`give_back`), so the caller has the error now; after a cancellation or an
-    interruption in flight, at once (its own failure is not the one raised); another
-    error of latchkey's granted nothing. Used by batch claims and row leases; the mutex's
-    acquire spells the same rule inline, its hot path kept free of a generator layer."""
-    try:
-        return (yield from request)
-    except StoreUnavailable:
+def after_failure(exc: BaseException, undo: Undo, ttl: float) -> Steps[NoReturn]:
+    """The rule for a call that may grant and failed with ``exc`` (raised again at the end):
+    after StoreUnavailable its answer may have been lost, so ``undo`` runs in the background
+    (:func:`give_back`) and the caller has the error now; after a cancellation or an
+    interruption in flight, at once (its own failure is not the one raised); another error
+    of latchkey's granted nothing. Acquires, batch claims and row leases all follow it."""
+    if isinstance(exc, StoreUnavailable):
         yield background(give_back(undo, ttl))
-        raise
-    except LatchkeyError:
-        raise
-    except BaseException:
+    elif not isinstance(exc, LatchkeyError):
         with contextlib.suppress(Exception):
             yield from _run_undo(undo)
-        raise
+    raise exc
+
+
+def giving_back(request: Steps[T], undo: Undo, ttl: float) -> Steps[T]:
+    """``request``, a call that may grant, under :func:`after_failure`'s rule (batch claims
+    and row leases)."""
+    try:
+        return (yield from request)
+    except BaseException as exc:
+        yield from after_failure(exc, undo, ttl)
+        raise  # (after_failure raises it)
 
 
 def ask(op: Op) -> Steps[Any]:
