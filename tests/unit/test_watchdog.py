@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
-from latchkey.stores.io.watchdog import Watchdog
+from latchkey.stores.io.watchdog import CUT, Watchdog
 
 
 def test_a_call_past_its_deadline_has_its_socket_shut_down() -> None:
@@ -40,3 +41,28 @@ def test_calls_that_return_in_time_are_left_alone() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_disarm_while_the_thread_cuts_waits_for_the_cut_and_learns_of_it() -> None:
+    # The thread's side, step by step as Watchdog._run takes it: under its lock it raises
+    # `cutting`, finds the call's entry still armed and is about to cut it. A disarm taking
+    # the entry out now must not return "not cut" before the cut is done.
+    watchdog = Watchdog()
+    watchdog.arm("call", 3600, lambda: -1)  # (the thread, started by arm, sleeps an hour)
+    answers: list[bool] = []
+    with watchdog.lock:
+        watchdog.cutting = True
+        entry = watchdog.armed["call"]
+        disarming = threading.Thread(target=lambda: answers.append(watchdog.disarm("call")))
+        disarming.start()
+        # It takes the entry out without the lock, then waits for the lock (a disarm that
+        # takes the lock first waits here without taking it out: then after 1 s, go on).
+        until = time.monotonic() + 1
+        while "call" in watchdog.armed and time.monotonic() < until:
+            time.sleep(0.001)
+        assert entry is not None and not answers  # not answered while the cut is under way
+        watchdog.armed["call"] = CUT  # the thread's cut, decided before the entry went
+        watchdog.cutting = False
+    disarming.join(5)
+    assert answers == [True]
+    assert "call" not in watchdog.armed

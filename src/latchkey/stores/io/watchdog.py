@@ -12,9 +12,10 @@ once; the call fails with "server closed the connection", and the caller reports
 StoreUnavailable ("no answer within …") and drops the connection.
 
 Cost: :meth:`Watchdog.arm` is a dict store and a comparison, :meth:`Watchdog.disarm` a dict
-pop under an uncontended lock — no wake-up of the thread on the hot path: it sleeps until the
-earliest deadline armed (each new deadline of a steady workload is later than the one it
-sleeps for), and without any call in flight for two of its periods it sleeps until poked.
+pop (and a lock only while the thread is cutting a socket) — no wake-up of the thread on the
+hot path: it sleeps until the earliest deadline armed (each new deadline of a steady workload
+is later than the one it sleeps for), and without any call in flight for two of its periods
+it sleeps until poked.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Watchdog:
         #: call key -> (deadline, the socket's fd getter), or CUT.
         self.armed: dict[Hashable, tuple[float, Callable[[], int] | None]] = {}
         self.lock = threading.Lock()
+        #: Set by the thread (under the lock) while it may cut a call's socket: disarm then
+        #: takes the lock.
+        self.cutting = False
         self._wake = threading.Event()
         self._next = math.inf  # when the thread wakes next (inf: asleep until poked, or scanning)
         self._thread: threading.Thread | None = None
@@ -57,9 +61,19 @@ class Watchdog:
 
     def disarm(self, key: Hashable) -> bool:
         """The call ``key`` returned (or failed): True if its socket was shut down by then —
-        its connection must not be used again, whatever the call answered."""
+        its connection must not be used again, whatever the call answered.
+
+        Without the lock unless the thread is cutting (every statement passes here): the
+        thread sets :attr:`cutting` before it reads an entry to cut it, and this reads the
+        flag after taking the entry out. If the flag is down, the thread will find the entry
+        gone; if it is up, this waits for the thread's lock — the cut, if it was ours, is
+        then done and its CUT back in :attr:`armed` (a socket is never shut down after its
+        connection went back to the pool)."""
+        entry = self.armed.pop(key, None)
+        if not self.cutting:
+            return entry is CUT
         with self.lock:
-            return self.armed.pop(key, None) is CUT
+            return entry is CUT or self.armed.pop(key, None) is CUT
 
     def _start(self) -> None:
         with self.lock:
@@ -77,14 +91,18 @@ class Watchdog:
             now = time.monotonic()
             earliest = math.inf
             with self.lock:
-                for key, (deadline, fileno) in list(self.armed.items()):
+                for key, entry in list(self.armed.items()):
+                    deadline, fileno = entry
                     if fileno is None:
                         continue
-                    if deadline <= now:
+                    if deadline > now:
+                        earliest = min(earliest, deadline)
+                        continue
+                    self.cutting = True  # before the entry is read again (see disarm)
+                    if self.armed.get(key) is entry:  # not disarmed (nor armed again) since
                         self.armed[key] = CUT
                         _shut_down(fileno)  # (under the lock: disarm waits for it)
-                    elif deadline < earliest:
-                        earliest = deadline
+                self.cutting = False
             idle_scans = idle_scans + 1 if earliest == math.inf else 0
             if idle_scans == 1:
                 earliest = now + 1.0  # quiet for now: look again in a second before idling
