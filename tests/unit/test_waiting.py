@@ -395,3 +395,26 @@ def test_the_wait_counts_from_the_first_attempt_not_its_answer() -> None:
     assert isinstance(result, Busy)
     assert clock.now <= 1.0 + 1e-9, f"waited until {clock.now:.3f}, past the 1 s wait"
     assert sum(store.slept) <= 0.2 + 1e-9
+
+
+def test_no_attempt_after_joining_the_line_took_the_rest_of_the_wait() -> None:
+    # Joining the line (a store call) answered after the wait's end: another attempt then
+    # could take a whole timeout more (a store slowed by a fault). The wait ends busy.
+    clock = FakeClock()
+    log: list[float] = []
+    waiter = FakeWaiter(clock, log)
+
+    class SlowLine(FakeStore):
+        def wait_in_line(self, *args: Any) -> FakeWaiter | None:
+            clock.now = 1.3  # answered 0.3 s after the 1 s wait ended
+            return super().wait_in_line(*args)
+
+    store = SlowLine(clock, lambda: Grant(1, None), waiter)
+    first = Busy(1, None, 5.0)
+    steps = wait_for(
+        Attempts(ARGS, clock, 0.0), first, wait=1.0, limit=1, push=True, blocking=False,
+        rng=random.Random(0),
+    )  # fmt: skip
+    assert drive(steps, store) is first
+    assert store.calls == ["wait_in_line"]  # no attempt after it
+    assert waiter.outcome is first and waiter.closed  # the waiter told, and closed

@@ -174,8 +174,13 @@ def wait_for(
     try:
         waiter = yield call("wait_in_line", *attempts.args)
         try:
-            share = None if push else poll_share
-            result = yield from _wait_with(waiter, attempts, deadline, limit, backoff, share)
+            if deadline is not None and attempts.clock() >= deadline:
+                # Joining the line took the rest of the wait (a slow store): no attempt after
+                # it, which could take a whole timeout more; the wait ends busy, as it began.
+                result: Grant | Busy = first
+            else:
+                share = None if push else poll_share
+                result = yield from _wait_with(waiter, attempts, deadline, limit, backoff, share)
             if waiter is not None:
                 yield on(waiter, "finish", result)
             return result
