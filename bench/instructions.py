@@ -11,7 +11,8 @@ fresh process under ``valgrind --tool=callgrind`` twice — ``--pairs`` A and B 
 object — and prints (instructions of B - instructions of A) / (B - A): the cost of one pair,
 start-up and connecting cancelled out. Two rows per store: the whole pair through the lock,
 and the store's primitives alone (``store.backend.acquire``/``release``, with the owner JSON
-a lock would send, made once), so the core's share is the difference. Instructions are
+a lock would send, made once), so the core's share is the difference; ``--layers async``
+adds the pair through an ``AsyncLock`` in a running loop. Instructions are
 counted in the client only: not the server's time, not the kernel's (a syscall counts as the
 instructions that make it). Memory and SQLite are exact to a few hundred; a networked store's
 figure moves by a few thousand (how many reads a reply takes). Starts its own servers
@@ -51,6 +52,17 @@ if layer == "lock":
     for _ in range(n):
         lock.acquire()
         lock.release()
+elif layer == "async":
+    import asyncio
+    store.close()
+    async def main():
+        async with latchkey.connect_async(sys.argv[2]) as astore:
+            lock = astore.lock("instructions", ttl=30, wait=0)
+            for _ in range(n):
+                await lock.acquire()
+                await lock.release()
+    asyncio.run(main())
+    sys.exit(0)
 else:
     from latchkey._owner import current_owner_json
     backend, info = store.backend, current_owner_json("")  # what a lock sends, made once
@@ -79,14 +91,16 @@ def main() -> None:
     parser.add_argument("trees", nargs="+", metavar="SRC")
     parser.add_argument("--stores", default="memory,sqlite,redis,postgresql,memcached")
     parser.add_argument("--pairs", default="200,1200", help="A,B: pairs in the two runs")
-    parser.add_argument("--layers", default="lock,store", help="lock, store or both")
+    parser.add_argument(
+        "--layers", default="lock,store", help="lock, store, async (through AsyncLock): any of"
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is not installed (apt-get install valgrind)")
     low, high = (int(p) for p in args.pairs.split(","))
     layers = args.layers.split(",")
-    if not set(layers) <= {"lock", "store"}:
-        parser.error(f"--layers: {args.layers!r}: each must be lock or store")
+    if not set(layers) <= {"lock", "store", "async"}:
+        parser.error(f"--layers: {args.layers!r}: each must be lock, store or async")
     load_all()
     running = {}
     print(f"{'store':22} {'layer':8} " + " ".join(f"{t[-28:]:>28}" for t in args.trees))

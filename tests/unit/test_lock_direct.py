@@ -1,6 +1,7 @@
-"""The sync Lock's direct path (``Lock.acquire``/``release`` composing the core's parts without
-driving its generator) keeps the rules of the generator path: each test runs both ways — as a
-user runs it (direct), and with tracing on, which sends every call through the core's steps.
+"""The direct path of Lock and AsyncLock (``acquire``/``release`` composing the core's parts
+without driving its generator) keeps the rules of the generator path: each test runs both
+ways — as a user runs it (direct), and with tracing on, which sends every call through the
+core's steps.
 
 The store is ``memory://`` (a real store, in this process); a failure is made by wrapping its
 backend's ``acquire``: the store grants, then the answer is lost or the caller interrupted.
@@ -8,6 +9,7 @@ backend's ``acquire``: the store grants, then the answer is lost or the caller i
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -132,3 +134,90 @@ def test_an_uncontended_acquire_starts_its_renewer(path: str, name: str) -> None
     eventually(lambda: _renewed(store, name), timeout=5, what="renewed past its first lease")
     assert not lock.lost and lock.release()
     store.close()
+
+
+# -- asyncio ---------------------------------------------------------------------------------
+
+
+def _granting_then_async(
+    store: latchkey.AsyncStore, error: Callable[[], BaseException]
+) -> list[Any]:
+    backend = store.backend
+    real = backend.acquire
+    granted: list[Any] = []
+
+    async def acquire(*args: Any) -> Any:
+        backend.acquire = real  # once
+        granted.append(await real(*args))
+        raise error()  # (a CancelledError here: the task cancelled while the call was out)
+
+    backend.acquire = acquire
+    return granted
+
+
+def test_async_an_acquire_cancelled_after_the_grant_gives_it_back_at_once(
+    path: str, name: str
+) -> None:
+    async def main() -> None:
+        async with latchkey.connect_async("memory://") as store:
+            granted = _granting_then_async(store, asyncio.CancelledError)
+            lock = store.lock(name, ttl="60s", wait=0)
+            with pytest.raises(asyncio.CancelledError):
+                await lock.acquire()
+            assert type(granted[0]).__name__ == "Grant" and not lock.held
+            assert await store.inspect(name) is None  # given back before the error
+
+    asyncio.run(main())
+
+
+def test_async_an_acquire_whose_answer_was_lost_gives_it_back_in_the_background(
+    path: str, name: str
+) -> None:
+    async def main() -> None:
+        async with latchkey.connect_async("memory://") as store:
+            lost = lambda: latchkey.StoreUnavailable("the answer was lost")  # noqa: E731
+            granted = _granting_then_async(store, lost)
+            lock = store.lock(name, ttl="60s", wait=0)
+            with pytest.raises(latchkey.StoreUnavailable):
+                await lock.acquire()
+            assert type(granted[0]).__name__ == "Grant" and not lock.held
+            for _ in range(1000):  # the give-back is a task of this loop
+                if await store.inspect(name) is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert await store.inspect(name) is None
+
+    asyncio.run(main())
+
+
+def test_async_busy_then_granted_within_the_wait_and_renewed(path: str, name: str) -> None:
+    async def main() -> None:
+        other = latchkey.connect_async("memory://")  # another store object: no local record
+        holder = other.lock(name, ttl="60s")
+        assert await holder.acquire()
+        async with latchkey.connect_async("memory://") as store:
+            waiter = store.lock(name, ttl="300ms", wait="10s", renew=True)
+            releasing = asyncio.get_running_loop().call_later(
+                0.2, lambda: asyncio.ensure_future(holder.release())
+            )
+            assert await waiter.acquire()
+            releasing.cancel()
+            assert waiter._renewer is not None
+            for _ in range(500):
+                info = await store.inspect(name)
+                assert info is not None
+                held = info.holder
+                assert held.acquired_at is not None and held.expires_at is not None
+                if (held.expires_at - held.acquired_at).total_seconds() > 0.5:
+                    break  # renewed past its 300 ms lease
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("not renewed")
+            assert not waiter.lost and await waiter.release()
+            assert waiter._renewer is None and await store.inspect(name) is None
+            async with waiter:
+                with pytest.raises(latchkey.LockTimeout, match=f"'{name}' is busy"):
+                    await store.lock(name, wait=0).__aenter__()
+        await other.aclose()
+
+    asyncio.run(main())

@@ -176,9 +176,10 @@ class LeaseCore:
             yield renew(self)
         return True
 
-    # The acquire's rules as parts, each once: the generator above composes them, and so does
-    # the sync shell's direct path for an uncontended acquire (``Lock.acquire``), which calls
-    # the store without driving a generator (what run 6's hand-written path cost: benchmarks).
+    # The acquire's rules as parts, each once: the generator above composes them, and so do
+    # the shells' direct paths for an uncontended acquire (``Lock.acquire``, ``AsyncLock.
+    # acquire``), which call the store without driving a generator (docs/concepts/
+    # architecture.md; what the generator costs: docs/benchmarks.md, runs 34-35).
 
     def _attempt(self, wait: Duration | None) -> tuple[float | None, tuple[Any, ...]]:
         """An acquire's wait (seconds, None: for ever) and its attempts' arguments ``(name,
