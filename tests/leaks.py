@@ -13,7 +13,10 @@ notes the descriptor of every socket made by that one function (the caller of
 ``socket.socket()``), and the unraisable hook drops a ``ResourceWarning`` for a socket whose
 descriptor is noted, after closing it. A socket keeps its descriptor until it is closed or
 collected, so the newest socket made with a descriptor is the one the warning is about.
-Every other unclosed socket still fails the test.
+Every other unclosed socket still fails the test, and its failure says where the socket was
+made (the frames that called ``socket.socket()``; a socket's descriptor names the newest
+socket made with it): the collector finds a socket in whatever test runs then, often not
+the one that dropped it.
 """
 
 from __future__ import annotations
@@ -21,23 +24,61 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import types
 from typing import Any
 
 #: The function whose sockets may be dropped open: (file name ending, function name).
 LEAKER = (os.path.join("pymongo", "pool_shared.py"), "_async_create_connection")
 
 _noted: set[int] = set()  # descriptors of live sockets made by LEAKER
+#: Where the live socket of each descriptor was made (its makers' frames, innermost first):
+#: named in the failure of a test whose collector finds any other socket unclosed.
+_made_at: dict[int, str] = {}
 _init = socket.socket.__init__
+_SKIP = (os.sep + "socket.py", os.sep + "ssl.py", os.sep + "selectors.py")
 
 
 def _init_noting(self: socket.socket, *args: Any, **kwargs: Any) -> None:
     _init(self, *args, **kwargs)
-    code = sys._getframe(1).f_code
+    frame = sys._getframe(1)
+    code = frame.f_code
     fd = self.fileno()
     if code.co_name == LEAKER[1] and code.co_filename.endswith(LEAKER[0]):
         _noted.add(fd)
     else:
         _noted.discard(fd)  # a descriptor used again, by a socket of another maker
+    sites: list[str] = []
+    while frame is not None and len(sites) < 4:
+        name = frame.f_code.co_filename
+        if not name.endswith(_SKIP):
+            short = name.rsplit("site-packages" + os.sep, 1)[-1].rsplit("src" + os.sep, 1)[-1]
+            sites.append(f"{short}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back  # type: ignore[assignment]
+    _made_at[fd] = " < ".join(sites)
+
+
+def made_at(unraisable: Any) -> Any:
+    """An unclosed socket's warning with where the socket was made added to its message (the
+    rerun list shows that line), or ``unraisable`` as it is."""
+    obj = unraisable.object
+    if not (isinstance(obj, socket.socket) and unraisable.exc_type is not None):
+        return unraisable
+    if not issubclass(unraisable.exc_type, ResourceWarning):
+        return unraisable
+    try:
+        site = _made_at.get(obj.fileno())
+    except OSError:
+        return unraisable
+    if site is None:
+        return unraisable
+    value = ResourceWarning(f"{unraisable.exc_value} made at {site}")
+    return types.SimpleNamespace(
+        exc_type=unraisable.exc_type,
+        exc_value=value,
+        exc_traceback=unraisable.exc_traceback,
+        err_msg=unraisable.err_msg,
+        object=obj,
+    )
 
 
 def known_leak(unraisable: Any) -> bool:
@@ -70,6 +111,6 @@ def install() -> None:
                 "tests/leaks.py: dropped PyMongo's unclosed connect socket (PYTHON-5867)\n"
             )
             return
-        previous(unraisable)
+        previous(made_at(unraisable))
 
     sys.unraisablehook = hook

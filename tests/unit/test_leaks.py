@@ -59,3 +59,21 @@ def test_the_suite_runs_with_it_installed() -> None:
     """tests/conftest.py installs it after pytest's own hook, which it passes the rest to."""
     assert socket.socket.__init__ is leaks._init_noting
     assert sys.unraisablehook.__qualname__ == "install.<locals>.hook"
+
+
+def test_another_unclosed_socket_s_warning_says_where_it_was_made() -> None:
+    dropped = _made_by("/site-packages/somelib/pool.py", "connect_somewhere")
+    try:
+        warning = types.SimpleNamespace(
+            object=dropped, exc_type=ResourceWarning, exc_value=ResourceWarning("unclosed"),
+            exc_traceback=None, err_msg="Exception ignored in",
+        )  # fmt: skip
+        told = leaks.made_at(warning)
+        made = "unclosed made at somelib/pool.py:3 connect_somewhere"
+        assert str(told.exc_value).startswith(made)
+        assert "test_leaks.py" in str(told.exc_value)  # and its callers, innermost first
+        assert told.exc_type is ResourceWarning and told.object is dropped
+        other = types.SimpleNamespace(object=dropped, exc_type=ValueError)
+        assert leaks.made_at(other) is other  # not a socket's ResourceWarning: as it is
+    finally:
+        dropped.close()
