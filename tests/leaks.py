@@ -57,43 +57,42 @@ def _init_noting(self: socket.socket, *args: Any, **kwargs: Any) -> None:
     _made_at[fd] = " < ".join(sites)
 
 
+def _unclosed_fd(unraisable: Any) -> int | None:
+    """The descriptor of the socket an unraisable ResourceWarning is about (None: another
+    exception, or not a socket's, or a socket closed since)."""
+    obj = unraisable.object
+    if not (isinstance(obj, socket.socket) and unraisable.exc_type is not None):
+        return None
+    if not issubclass(unraisable.exc_type, ResourceWarning):
+        return None
+    try:
+        return obj.fileno()
+    except OSError:
+        return None
+
+
 def made_at(unraisable: Any) -> Any:
     """An unclosed socket's warning with where the socket was made added to its message (the
     rerun list shows that line), or ``unraisable`` as it is."""
-    obj = unraisable.object
-    if not (isinstance(obj, socket.socket) and unraisable.exc_type is not None):
-        return unraisable
-    if not issubclass(unraisable.exc_type, ResourceWarning):
-        return unraisable
-    try:
-        site = _made_at.get(obj.fileno())
-    except OSError:
-        return unraisable
+    fd = _unclosed_fd(unraisable)
+    site = None if fd is None else _made_at.get(fd)
     if site is None:
         return unraisable
-    value = ResourceWarning(f"{unraisable.exc_value} made at {site}")
     return types.SimpleNamespace(
         exc_type=unraisable.exc_type,
-        exc_value=value,
+        exc_value=ResourceWarning(f"{unraisable.exc_value} made at {site}"),
         exc_traceback=unraisable.exc_traceback,
         err_msg=unraisable.err_msg,
-        object=obj,
+        object=unraisable.object,
     )
 
 
 def known_leak(unraisable: Any) -> bool:
     """Whether an unraisable exception is the ResourceWarning of a socket made by LEAKER."""
+    fd = _unclosed_fd(unraisable)
+    if fd is None or fd not in _noted:
+        return False
     obj = unraisable.object
-    if not (isinstance(obj, socket.socket) and unraisable.exc_type is not None):
-        return False
-    if not issubclass(unraisable.exc_type, ResourceWarning):
-        return False
-    try:
-        fd = obj.fileno()
-    except OSError:
-        return False
-    if fd not in _noted:
-        return False
     _noted.discard(fd)
     obj.close()
     return True
