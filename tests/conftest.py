@@ -148,7 +148,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.outcome == "rerun":  # type: ignore[comparison-overlap]
         lines = [line for line in report.longreprtext.splitlines() if line.startswith("E ")]
         why = lines[0][1:].strip() if lines else report.longreprtext.strip()[-200:]
-        _RERUNS.append(f"{report.nodeid} ({report.when}): {why[:300]}{_where(report)}")
+        _RERUNS.append(f"{report.nodeid} ({report.when}): {why[:600]}{_where(report)}")
 
 
 def _where(report: pytest.TestReport) -> str:

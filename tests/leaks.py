@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import types
 from typing import Any
 
 #: The function whose sockets may be dropped open: (file name ending, function name).
@@ -72,19 +71,14 @@ def _unclosed_fd(unraisable: Any) -> int | None:
 
 
 def made_at(unraisable: Any) -> Any:
-    """An unclosed socket's warning with where the socket was made added to its message (the
-    rerun list shows that line), or ``unraisable`` as it is."""
+    """``unraisable``, an unclosed socket's warning given where the socket was made (added to
+    its message, which the rerun list shows)."""
     fd = _unclosed_fd(unraisable)
     site = None if fd is None else _made_at.get(fd)
-    if site is None:
-        return unraisable
-    return types.SimpleNamespace(
-        exc_type=unraisable.exc_type,
-        exc_value=ResourceWarning(f"{unraisable.exc_value} made at {site}"),
-        exc_traceback=unraisable.exc_traceback,
-        err_msg=unraisable.err_msg,
-        object=unraisable.object,
-    )
+    exc = unraisable.exc_value
+    if site is not None and exc is not None and len(exc.args) == 1:
+        exc.args = (f"{exc.args[0]} made at {site}",)  # (its traceback kept: pytest shows it)
+    return unraisable
 
 
 def known_leak(unraisable: Any) -> bool:
